@@ -1,0 +1,1 @@
+"""data_tools: corpora to tokenized webdataset shards (tokenizer, synth, build, inspect)."""

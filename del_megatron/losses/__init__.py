@@ -1,0 +1,25 @@
+"""The numeric losses: digit vocabulary, place values, every loss kind (docs/losses.md)."""
+
+from .assemble import REPORT_PAIRS, STAT_KEYS, NumericLossOutput, report_pairs
+from .config import DEFAULT_ALPHA, DIGIT_KINDS, LossKind, NumericLossConfig
+from .places import digit_places, place_weights
+from .reference import emo_cost_embedding, numeric_loss
+from .vocab import POINT_CLASS, DigitVocab, TokenizerError
+
+__all__ = [
+    "DEFAULT_ALPHA",
+    "DIGIT_KINDS",
+    "POINT_CLASS",
+    "REPORT_PAIRS",
+    "STAT_KEYS",
+    "DigitVocab",
+    "LossKind",
+    "NumericLossConfig",
+    "NumericLossOutput",
+    "TokenizerError",
+    "digit_places",
+    "emo_cost_embedding",
+    "numeric_loss",
+    "place_weights",
+    "report_pairs",
+]

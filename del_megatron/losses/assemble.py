@@ -1,0 +1,228 @@
+"""From per-token CE and digit-class logits to the loss, per-token losses and statistics.
+
+Shared by the single-device reference (`reference.py`) and the tensor-parallel op
+(`vocab_parallel.py`): both compute the same three inputs (ce_t, class logits, whether the
+target is the argmax) their own way, then call `assemble`, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import DIGIT_KINDS, NumericLossConfig
+from .places import digit_places, place_weights
+from .terms import digit_entropy, numeric_term
+from .vocab import NOT_A_CLASS, POINT_CLASS, DigitVocab
+
+
+@dataclass(frozen=True)
+class NumericLossOutput:
+    """loss, ce, numeric: scalars with loss = ce + alpha * numeric for the digit kinds (for
+    mixce and emo, loss is their objective, ce the plain CE, numeric 0 / the EMO cost).
+    per_token: labels' shape; per_token.sum() / stats['tokens'] == loss.
+    stats: 0-dim float64 sums and counts (see STAT_KEYS), exact to reduce across ranks."""
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    numeric: torch.Tensor
+    per_token: torch.Tensor
+    stats: dict[str, torch.Tensor]
+
+
+STAT_KEYS = (
+    "tokens",  # unmasked positions
+    "ce_sum",  # sum of CE over them
+    "digits",  # digit positions (targets in the classes)
+    "numeric_sum",  # sum of u*l over digit positions (EMO: of the transport cost over tokens)
+    "numeric_count",  # what numeric_sum is divided by under cfg.normalize
+    "digit_correct",  # digit positions whose target is the argmax over the full vocabulary
+    "digit_cond_correct",  # ... whose target is the argmax of the digit distribution
+    "digit_entropy_sum",  # sum of -sum_k p_k log p_k
+    "value_digits",  # digit positions whose target is a digit 0..9 (not '.')
+    "digit_abs_error_sum",  # sum of |argmax-digit - target digit| over value_digits
+)
+
+# Metric name -> (sum key, count key): the report pairs of docs/losses.md.
+REPORT_PAIRS = {
+    "ce": ("ce_sum", "tokens"),
+    "numeric": ("numeric_sum", "numeric_count"),
+    "digit_acc": ("digit_correct", "digits"),
+    "digit_cond_acc": ("digit_cond_correct", "digits"),
+    "digit_entropy": ("digit_entropy_sum", "digits"),
+    "digit_abs_error": ("digit_abs_error_sum", "value_digits"),
+}
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What the loss needs to know of the labels, flattened to N = labels.numel() rows."""
+
+    shape: torch.Size  # labels' shape
+    valid: torch.Tensor  # [N] bool
+    safe_labels: torch.Tensor  # [N] long, 0 where not valid (always a legal index)
+    rows: torch.Tensor  # [n] long, rows of the digit positions
+    classes: torch.Tensor  # [n] long, their target class
+    weights: torch.Tensor  # [n] place weights u (ones when place weighting is off)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision logits are computed in float32; float32/float64 stay as they are."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def check_logits_labels(logits_shape: torch.Size, labels: torch.Tensor, what: str) -> None:
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    if labels.dim() < 1 or tuple(logits_shape[:-1]) != tuple(labels.shape):
+        raise ValueError(
+            f"{what} {tuple(logits_shape)} do not match labels {tuple(labels.shape)}: "
+            "expected logits [..., vocab] with labels [...]"
+        )
+
+
+def prepare_targets(
+    labels: torch.Tensor,
+    vocab: DigitVocab,
+    cfg: NumericLossConfig,
+    loss_mask: torch.Tensor | None,
+    vocab_size: int,
+    dtype: torch.dtype,
+) -> Targets:
+    """Validate labels (the last dim is the sequence) and find digit positions and weights."""
+    valid = labels != cfg.ignore_index
+    if loss_mask is not None:
+        if loss_mask.shape != labels.shape:
+            raise ValueError(
+                f"loss_mask {tuple(loss_mask.shape)} does not match labels {tuple(labels.shape)}"
+            )
+        valid = valid & (loss_mask != 0)
+    bad = valid & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        value = int(labels[bad].flatten()[0])
+        raise ValueError(
+            f"label {value} is out of range for a vocabulary of {vocab_size} tokens "
+            f"(use ignore_index={cfg.ignore_index} for positions without a target)"
+        )
+    safe = torch.where(valid, labels, 0).long()
+    table = vocab.class_table(vocab_size, labels.device)
+    classes = torch.where(valid, table[safe], NOT_A_CLASS)  # [..., s]
+    place, decimal_point = digit_places(classes)
+    is_digit = (classes >= 0) & (classes <= 9)
+    numeric = is_digit | (
+        decimal_point if cfg.include_decimal_point else torch.zeros_like(is_digit)
+    )
+    if cfg.resolved_place_weighting:
+        # A decimal point that is a class weighs 1 (spec: "the '.' itself weighs 0, 1 if a class").
+        weights = torch.where(
+            is_digit, place_weights(place, cfg.place_slope, cfg.decimal_base, dtype), 1.0
+        )
+    else:
+        weights = torch.ones(classes.shape, dtype=dtype, device=labels.device)
+    rows = numeric.flatten().nonzero().squeeze(1)
+    return Targets(
+        shape=labels.shape,
+        valid=valid.flatten(),
+        safe_labels=safe.flatten(),
+        rows=rows,
+        classes=classes.flatten()[rows],
+        weights=weights.flatten()[rows].to(dtype),
+    )
+
+
+def assemble(
+    targets: Targets,
+    ce_per_token: torch.Tensor,
+    class_logits: torch.Tensor,
+    target_is_max: torch.Tensor,
+    cfg: NumericLossConfig,
+    emo_cost: torch.Tensor | None = None,
+) -> NumericLossOutput:
+    """Combine the parts into the loss of cfg.kind.
+
+    ce_per_token: [N] CE of every row (any value where not valid); class_logits: [n, K] of
+    the digit positions; target_is_max: [n] bool; emo_cost: [N] EMO transport cost (emo only).
+    """
+    dtype = ce_per_token.dtype
+    valid = targets.valid.to(dtype)
+    num_tokens = valid.sum()
+    token_denominator = num_tokens.clamp_min(1)
+    ce_sum = (ce_per_token * valid).sum()
+    ce = ce_sum / token_denominator
+
+    # ---- the token-level objective (CE, or MixCE / EMO reweighting of it)
+    if cfg.kind == "mixce":
+        keep = torch.exp(-ce_per_token).detach()
+        per_token = (cfg.mixce_eta + (1 - cfg.mixce_eta) * keep) * ce_per_token * valid
+    elif cfg.kind == "emo":
+        if emo_cost is None:
+            raise ValueError("kind='emo' needs the EMO transport cost (pass cost_embedding)")
+        emo_sum = (emo_cost * valid).sum()
+        # EMO's dynamic weight sg(CE / emo), as a ratio of micro-batch sums.
+        ratio = (ce_sum / emo_sum.clamp_min(torch.finfo(dtype).tiny)).detach()
+        per_token = 0.5 * (ce_per_token + ratio * emo_cost) * valid
+    else:
+        per_token = ce_per_token * valid
+    base_loss = per_token.sum() / token_denominator
+
+    # ---- the digit-level part
+    num_digits = torch.tensor(float(targets.rows.numel()), dtype=dtype, device=valid.device)
+    numeric_sum = torch.zeros((), dtype=dtype, device=valid.device)
+    alpha = cfg.resolved_alpha
+    if cfg.kind in DIGIT_KINDS:
+        weighted = targets.weights * numeric_term(class_logits, targets.classes, cfg)  # [n]
+        numeric_sum = weighted.sum()
+        numeric_count = num_digits if cfg.normalize == "digits" else num_tokens
+        numeric = numeric_sum / numeric_count.clamp_min(1)
+        # per_token carries alpha*u*l scaled so that per_token.sum() / tokens == loss.
+        scale = alpha * token_denominator / numeric_count.clamp_min(1)
+        per_token = per_token.index_add(0, targets.rows, scale * weighted)
+        loss = base_loss + alpha * numeric
+    elif cfg.kind == "emo":
+        numeric_sum = (emo_cost * valid).sum()
+        numeric_count = num_tokens
+        numeric = numeric_sum / token_denominator
+        loss = base_loss
+    else:
+        numeric_count = torch.zeros_like(num_tokens)
+        numeric = numeric_sum
+        loss = base_loss
+
+    stats = _digit_stats(targets, class_logits.detach(), target_is_max)
+    stats.update(
+        tokens=num_tokens,
+        ce_sum=ce_sum,
+        numeric_sum=numeric_sum,
+        numeric_count=numeric_count,
+        digits=num_digits,
+    )
+    stats = {k: stats[k].detach().to(torch.float64) for k in STAT_KEYS}
+    return NumericLossOutput(
+        loss=loss,
+        ce=ce,
+        numeric=numeric,
+        per_token=per_token.view(targets.shape),
+        stats=stats,
+    )
+
+
+def _digit_stats(
+    targets: Targets, class_logits: torch.Tensor, target_is_max: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    classes = targets.classes
+    is_value = classes < POINT_CLASS
+    predicted_digit = class_logits[:, :10].argmax(-1)
+    abs_error = (predicted_digit - classes).abs().to(class_logits.dtype)
+    return {
+        "digit_correct": target_is_max.sum(),
+        "digit_cond_correct": (class_logits.argmax(-1) == classes).sum(),
+        "digit_entropy_sum": digit_entropy(class_logits).sum(),
+        "value_digits": is_value.sum(),
+        "digit_abs_error_sum": (abs_error * is_value).sum(),
+    }
+
+
+def report_pairs(stats: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Metric name -> (sum, count), e.g. for Megatron's loss_func report dict."""
+    return {name: (stats[s], stats[c]) for name, (s, c) in REPORT_PAIRS.items()}

@@ -1,0 +1,66 @@
+"""Place values of digits, from target classes alone, vectorized (no loop over positions).
+
+A number is a maximal run of digits in one sequence, optionally with one '.' followed by
+more digits. A '.' that follows a decimal run ("3.14.15") ends the number and starts nothing:
+the digits after it begin a fresh integer. A '.' with no digit before it opens a decimal
+(".5"). Masked positions and sequence edges end numbers (docs/losses.md has the full table).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .vocab import POINT_CLASS
+
+
+def _prev(x: torch.Tensor) -> torch.Tensor:
+    """x shifted one step later along the last dim, False entering: x[t-1]."""
+    return torch.nn.functional.pad(x[..., :-1], (1, 0))
+
+
+def _next(x: torch.Tensor) -> torch.Tensor:
+    """x[t+1], False past the end."""
+    return torch.nn.functional.pad(x[..., 1:], (0, 1))
+
+
+def digit_places(classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Place of every digit and the decimal points that belong to numbers.
+
+    classes: [..., s] long: 0..9 digits, POINT_CLASS for '.', anything else (negative) for
+    other or masked targets; the last dim is the sequence.
+    Returns place [..., s] long (power of ten of each digit, 0 elsewhere) and
+    decimal_point [..., s] bool.
+    """
+    is_digit = (classes >= 0) & (classes <= 9)
+    is_point = classes == POINT_CLASS
+    digit_before, digit_after = _prev(is_digit), _next(is_digit)
+
+    run_start = is_digit & ~digit_before
+    link = is_point & digit_before & digit_after  # '.' between two digit runs
+    lead = is_point & ~digit_before & digit_after  # ".5"
+    # Runs joined by single '.' form a chain; within a chain decimal and integer runs alternate
+    # ("1.2.3.4" reads 1.2 and 3.4), starting with a decimal run after a leading '.'.
+    chain_start = run_start & ~_prev(link)
+    run_number = torch.cumsum(run_start.long(), dim=-1)
+    # cummax carries the latest chain start forward; run_number grows, so the code does too.
+    code = torch.where(chain_start, 2 * run_number + _prev(lead).long(), 0)
+    code = torch.cummax(code, dim=-1).values
+    run_in_chain = run_number - code // 2
+    decimal_run = is_digit & ((run_in_chain + code % 2) % 2 == 1)
+
+    pos = torch.arange(classes.shape[-1], device=classes.device).expand_as(classes)
+    last_non_digit = torch.cummax(torch.where(is_digit, -1, pos), dim=-1).values
+    end = classes.shape[-1]
+    next_non_digit = torch.where(is_digit, end, pos).flip(-1).cummin(dim=-1).values.flip(-1)
+    place = torch.where(decimal_run, last_non_digit - pos, next_non_digit - 1 - pos)
+    place = torch.where(is_digit, place, 0)
+    decimal_point = is_point & _next(decimal_run)
+    return place, decimal_point
+
+
+def place_weights(
+    place: torch.Tensor, slope: float, decimal_base: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """u(i): slope*(i+1) for integer places i >= 0, decimal_base**(i-1) for decimals."""
+    p = place.to(dtype)
+    return torch.where(place >= 0, slope * (p + 1), torch.pow(decimal_base, p - 1))

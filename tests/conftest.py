@@ -1,0 +1,96 @@
+"""Shared fixtures: tokenizers trained here (no network), corpora, the real Mistral model."""
+
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+
+import pytest
+
+WORDS = (
+    "the of and a to in is you that it he was for on are as with his they at be this have from "
+    "or one had by word but not what all were we when your can said there use an each which she "
+    "do how their if will up other about out many then them these so some her would make like"
+).split()
+
+
+def number_corpus(n_lines: int = 3000, seed: int = 0) -> list[str]:
+    """Prose with prices, decimals, dates and thousands separators."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_lines):
+        a, b = rng.randint(0, 99999), rng.randint(0, 999)
+        lines.append(
+            " ".join(rng.choices(WORDS, k=8))
+            + f" The price was {a}.{b:02d} dollars and {b} items on 2026-11-{i % 28 + 1:02d}, "
+            f"total 1,000 units of {a * b}."
+        )
+    return lines
+
+
+def train_sentencepiece(path: Path, *, split_digits: bool) -> Path:
+    import sentencepiece as spm
+
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(number_corpus()),
+        model_writer=buffer,
+        vocab_size=600,
+        hard_vocab_limit=False,
+        split_digits=split_digits,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        minloglevel=2,
+    )
+    path.write_bytes(buffer.getvalue())
+    return path
+
+
+def train_byte_level_bpe(*, split_digits: bool):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    if split_digits:
+        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<s>", "</s>"],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(number_corpus(), trainer)
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def spm_split_digits(tmp_path_factory) -> Path:
+    return train_sentencepiece(tmp_path_factory.mktemp("spm") / "split.model", split_digits=True)
+
+
+@pytest.fixture(scope="session")
+def spm_merged_digits(tmp_path_factory) -> Path:
+    return train_sentencepiece(tmp_path_factory.mktemp("spm") / "merged.model", split_digits=False)
+
+
+@pytest.fixture(scope="session")
+def bpe_split_digits():
+    return train_byte_level_bpe(split_digits=True)
+
+
+@pytest.fixture(scope="session")
+def bpe_merged_digits():
+    return train_byte_level_bpe(split_digits=False)
+
+
+@pytest.fixture(scope="session")
+def mistral_tokenizer_model() -> Path:
+    """Mistral-7B's sentencepiece model, shipped as package data by mistral-common."""
+    mistral_common = pytest.importorskip("mistral_common")
+    path = Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1"
+    if not path.is_file():
+        pytest.skip("mistral-common does not ship tokenizer.model.v1")
+    return path

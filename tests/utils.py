@@ -1,0 +1,35 @@
+"""Test helpers shared across the suite."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float = 0.0, what: str = ""
+) -> None:
+    """allclose that says where it failed: worst index, both values, NaN/inf mismatches."""
+    actual, expected = (
+        x.detach().to(torch.float64).cpu()
+        if isinstance(x, torch.Tensor)
+        else torch.as_tensor(x, dtype=torch.float64)
+        for x in (actual, expected)
+    )
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
+    finite_a, finite_e = torch.isfinite(actual), torch.isfinite(expected)
+    if not torch.equal(finite_a, finite_e):
+        idx = (finite_a != finite_e).nonzero()[0].tolist()
+        raise AssertionError(
+            f"{what}: non-finite mismatch at {idx}: {actual[tuple(idx)]} vs {expected[tuple(idx)]}"
+        )
+    diff = (actual - expected).abs().where(finite_a, 0.0)
+    bound = atol + rtol * expected.abs().where(finite_e, 0.0)
+    excess = diff - bound
+    if actual.numel() and excess.max() > 0:
+        idx = tuple(torch.unravel_index(excess.argmax(), excess.shape)) if excess.dim() else ()
+        raise AssertionError(
+            f"{what}: worst at {[int(i) for i in idx]}: {actual[idx].item():.17g} vs "
+            f"{expected[idx].item():.17g} (|diff| {diff[idx].item():.3g} > {bound[idx].item():.3g})"
+        )
