@@ -8,6 +8,7 @@ from .losses import (
     emo_cost_embedding,
     numeric_loss,
     report_pairs,
+    vocab_parallel_numeric_loss,
 )
 
 __version__ = "0.1.0"
@@ -21,4 +22,5 @@ __all__ = [
     "emo_cost_embedding",
     "numeric_loss",
     "report_pairs",
+    "vocab_parallel_numeric_loss",
 ]

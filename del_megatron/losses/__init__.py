@@ -5,6 +5,7 @@ from .config import DEFAULT_ALPHA, DIGIT_KINDS, LossKind, NumericLossConfig
 from .places import digit_places, place_weights
 from .reference import emo_cost_embedding, numeric_loss
 from .vocab import POINT_CLASS, DigitVocab, TokenizerError
+from .vocab_parallel import vocab_parallel_numeric_loss
 
 __all__ = [
     "DEFAULT_ALPHA",
@@ -22,4 +23,5 @@ __all__ = [
     "numeric_loss",
     "place_weights",
     "report_pairs",
+    "vocab_parallel_numeric_loss",
 ]

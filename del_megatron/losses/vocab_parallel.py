@@ -1,0 +1,216 @@
+"""The numeric losses on tensor-parallel vocabulary shards (megatron layout [s, b, V/tp]).
+
+Forward: one all-reduce MAX (row maxima) and one all-reduce SUM of a packed [tokens, 2 + K*M]
+buffer (sum of exponentials, target logit, the raw logits of the K*M digit-class member ids,
+each contributed by the rank that owns it and 0 elsewhere). Every rank then holds the exact
+class logits and computes the same digit terms (`assemble`, shared with the reference).
+Backward: no collective; each rank writes the gradient of the columns it owns into the
+float32 exp buffer saved in forward (the only [tokens, V/tp] buffer kept, as megatron's CE).
+EMO adds one all-reduce of [tokens, 2 * hidden] (expected embedding and target embedding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .assemble import (
+    NumericLossOutput,
+    assemble,
+    check_logits_labels,
+    compute_dtype,
+    prepare_targets,
+)
+from .config import NumericLossConfig
+from .vocab import DigitVocab
+
+
+class _VocabParallelParts(torch.autograd.Function):
+    """logits shard [N, V/tp] -> ce [N], class logits [N, K], target_is_max [N], emo [N]."""
+
+    @staticmethod
+    def forward(
+        ctx, logits, target, member_ids, member_valid, vocab_start, vocab_size, group, cost
+    ):
+        dtype = compute_dtype(logits.dtype)
+        rows, local_columns = logits.shape
+        owned = max(0, min(local_columns, vocab_size - vocab_start))  # real (unpadded) columns
+        z = logits[:, :owned]
+
+        if owned:
+            row_max = z.amax(dim=-1).to(dtype)
+        else:
+            row_max = torch.full((rows,), float("-inf"), dtype=dtype, device=logits.device)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+
+        # The one saved [N, V/tp] buffer; the caller's logits are only read.
+        exp = torch.sub(z, row_max.unsqueeze(1)).to(dtype).exp_()
+        num_classes, width = member_ids.shape
+        flat_ids = member_ids.flatten()
+        owns_target = (target >= vocab_start) & (target < vocab_start + owned)
+        local_target = torch.where(owns_target, target - vocab_start, 0)
+        owns_member = (
+            (flat_ids >= vocab_start) & (flat_ids < vocab_start + owned) & member_valid.flatten()
+        )
+        local_member = torch.where(owns_member, flat_ids - vocab_start, 0)
+
+        packed = torch.zeros(rows, 2 + flat_ids.numel(), dtype=dtype, device=logits.device)
+        if owned:
+            packed[:, 0] = exp.sum(dim=-1)
+            target_logit = z.gather(1, local_target.unsqueeze(1)).squeeze(1).to(dtype)
+            packed[:, 1] = torch.where(owns_target, target_logit, 0.0)
+            packed[:, 2:] = torch.where(owns_member, z.index_select(1, local_member).to(dtype), 0.0)
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+
+        sum_exp, target_logit = packed[:, 0], packed[:, 1]
+        members = packed[:, 2:].view(rows, num_classes, width)
+        members = members.masked_fill(~member_valid, float("-inf"))
+        class_logits = torch.logsumexp(members, dim=-1)
+        member_share = torch.softmax(members, dim=-1)
+        ce = torch.log(sum_exp) + row_max - target_logit
+        target_is_max = target_logit >= row_max
+
+        emo = torch.zeros(0, dtype=dtype, device=logits.device)
+        target_embedding = None
+        if cost is not None:
+            # [N, 2h]: sum_v exp_v e_v over owned columns, and e_target from its owner.
+            local_cost = cost[:owned].to(dtype)
+            emo_parts = torch.cat(
+                [exp @ local_cost, local_cost[local_target] * owns_target.unsqueeze(1)], dim=1
+            )
+            dist.all_reduce(emo_parts, op=dist.ReduceOp.SUM, group=group)
+            expected, target_embedding = emo_parts.chunk(2, dim=1)
+            emo = 1 - (target_embedding * expected).sum(-1) / sum_exp
+            ctx.emo_cost = local_cost
+
+        ctx.mark_non_differentiable(target_is_max)
+        ctx.save_for_backward(
+            exp,
+            sum_exp,
+            local_target,
+            owns_target,
+            member_share,
+            local_member,
+            owns_member,
+            emo,
+            target_embedding,
+        )
+        ctx.layout = (local_columns, logits.dtype)
+        ctx.consumed = False
+        return ce, class_logits, target_is_max, emo
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_class, _grad_is_max, grad_emo):
+        if ctx.consumed:
+            raise RuntimeError(
+                "vocab_parallel_numeric_loss: backward ran twice through the same graph; its "
+                "saved buffer becomes the gradient (as in megatron's CE), so retain_graph "
+                "is not supported"
+            )
+        ctx.consumed = True
+        (
+            exp,
+            sum_exp,
+            local_target,
+            owns_target,
+            member_share,
+            local_member,
+            owns_member,
+            emo,
+            target_embedding,
+        ) = ctx.saved_tensors
+        local_columns, dtype = ctx.layout
+        rows = exp.shape[0]
+
+        # softmax * dCE (+ the EMO part), written into the saved exp buffer
+        if target_embedding is not None:
+            # d emo_t / d z_u = -q_u (e_t . e_u - (1 - emo_t))
+            similarity = target_embedding @ ctx.emo_cost.T  # [N, owned]
+            similarity.sub_((1 - emo).unsqueeze(1)).mul_(-grad_emo.unsqueeze(1))
+            similarity.add_(grad_ce.unsqueeze(1))
+            grad = exp.mul_(similarity).div_(sum_exp.unsqueeze(1))
+        else:
+            grad = exp.mul_((grad_ce / sum_exp).unsqueeze(1))
+        grad.scatter_add_(
+            1, local_target.unsqueeze(1), (-grad_ce * owns_target).unsqueeze(1).to(grad.dtype)
+        )
+        member_grad = (grad_class.unsqueeze(-1) * member_share).reshape(rows, -1) * owns_member
+        grad.index_add_(1, local_member, member_grad.to(grad.dtype))
+        if grad.shape[1] != local_columns:  # padded vocabulary columns: zero gradient
+            grad = torch.nn.functional.pad(grad, (0, local_columns - grad.shape[1]))
+        return grad.to(dtype), None, None, None, None, None, None, None
+
+
+def _default_group() -> dist.ProcessGroup:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def vocab_parallel_numeric_loss(
+    logits_shard: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: DigitVocab,
+    cfg: NumericLossConfig | None = None,
+    loss_mask: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    cost_embedding: torch.Tensor | None = None,
+) -> NumericLossOutput:
+    """`numeric_loss` on this rank's vocabulary shard; per_token is [b, s].
+
+    logits_shard: [s, b, V/tp], this rank's contiguous slice of the (padded) vocabulary;
+    labels, loss_mask: [b, s]; group: the tensor-parallel group (default: megatron-core's);
+    cost_embedding: this rank's rows [V/tp, h] of the EMO cost embedding (emo only).
+    Every rank returns the same loss, per-token losses and statistics.
+    """
+    cfg = cfg or NumericLossConfig()
+    if logits_shard.dim() != 3:
+        raise ValueError(f"logits_shard must be [s, b, V/tp], got {tuple(logits_shard.shape)}")
+    seq, batch, local_columns = logits_shard.shape
+    check_logits_labels(torch.Size((batch, seq, local_columns)), labels, "logits [s, b] as [b, s]")
+    group = group if group is not None else _default_group()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    padded_size = world * local_columns
+    vocab_size = vocab.vocab_size if vocab.vocab_size is not None else padded_size
+    if vocab_size > padded_size:
+        raise ValueError(
+            f"logit shards cover {padded_size} vocabulary columns ({world} x {local_columns}) "
+            f"but the tokenizer has {vocab_size} tokens"
+        )
+    if cfg.kind == "emo":
+        if cost_embedding is None or cost_embedding.shape[0] != local_columns:
+            raise ValueError(
+                f"kind='emo' needs cost_embedding: this rank's [{local_columns}, hidden] rows of "
+                "emo_cost_embedding(output_layer.weight)"
+            )
+    dtype = compute_dtype(logits_shard.dtype)
+    targets = prepare_targets(labels, vocab, cfg, loss_mask, vocab_size, dtype)  # rows in [b, s]
+
+    # Logit rows run over [s, b]; target rows over [b, s]: reorder the small tensors only.
+    target_sb = targets.safe_labels.view(batch, seq).t().reshape(-1)
+    member_ids, member_valid = vocab.class_members(cfg.num_classes, logits_shard.device)
+    ce, class_logits, target_is_max, emo = _VocabParallelParts.apply(
+        logits_shard.reshape(seq * batch, local_columns),
+        target_sb,
+        member_ids,
+        member_valid,
+        rank * local_columns,
+        vocab_size,
+        group,
+        cost_embedding if cfg.kind == "emo" else None,
+    )
+    rows_sb = (targets.rows % seq) * batch + targets.rows // seq
+    return assemble(
+        targets,
+        _to_bs(ce, seq, batch),
+        class_logits.index_select(0, rows_sb),
+        target_is_max.index_select(0, rows_sb),
+        cfg,
+        _to_bs(emo, seq, batch) if cfg.kind == "emo" else None,
+    )
+
+
+def _to_bs(per_row: torch.Tensor, seq: int, batch: int) -> torch.Tensor:
+    """[s*b] in [s, b] order -> [b*s] in [b, s] order."""
+    return per_row.view(seq, batch).t().reshape(-1)

@@ -1,0 +1,80 @@
+"""The megatron-core adapter: a GPTModel whose loss is the numeric loss on vocabulary shards,
+and a `loss_func` following megatron-core's contract for `get_forward_backward_func`."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from ..losses import DigitVocab, NumericLossConfig, report_pairs, vocab_parallel_numeric_loss
+from ..losses.reference import emo_cost_embedding
+
+STATS_ATTRIBUTE = "numeric_stats"  # per-token loss tensors carry their statistics here
+
+
+class NumericLossGPTModel(GPTModel):
+    """GPTModel that, called with labels, returns per-token numeric losses [b, s].
+
+    The returned tensor carries the loss statistics as `.numeric_stats` (0-dim sums and
+    counts) for `loss_func`. Pass `loss_mask=` to forward so that masked positions end numbers
+    and do not count as digit positions.
+    """
+
+    def __init__(self, *args, digit_vocab: DigitVocab, loss_config: NumericLossConfig, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.digit_vocab = digit_vocab
+        self.loss_config = loss_config
+        self._loss_mask: torch.Tensor | None = None
+        self.emo_cost_embedding: torch.Tensor | None = None
+
+    def freeze_emo_cost_embedding(self) -> None:
+        """Take EMO's cost embedding from the current output weights (this rank's rows).
+        Called on the first loss if not before; call it after loading weights to be explicit."""
+        self.emo_cost_embedding = emo_cost_embedding(self.output_layer.weight)
+
+    def forward(self, *args, loss_mask: torch.Tensor | None = None, **kwargs):
+        self._loss_mask = loss_mask
+        try:
+            return super().forward(*args, loss_mask=loss_mask, **kwargs)
+        finally:
+            self._loss_mask = None
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor):
+        """labels [b, s], logits [s, b, V/tp] -> per-token losses [b, s]."""
+        cost = None
+        if self.loss_config.kind == "emo":
+            if self.emo_cost_embedding is None:
+                self.freeze_emo_cost_embedding()
+            cost = self.emo_cost_embedding
+        out = vocab_parallel_numeric_loss(
+            logits,
+            labels,
+            self.digit_vocab,
+            self.loss_config,
+            self._loss_mask,
+            group=self.pg_collection.tp,
+            cost_embedding=cost,
+        )
+        per_token = out.per_token
+        setattr(per_token, STATS_ATTRIBUTE, out.stats)
+        return per_token
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """megatron-core loss function: (loss sum, token count, report dict of [sum, count]).
+
+    output_tensor: per-token losses [b, s] from NumericLossGPTModel. Report keys: 'lm loss'
+    (the objective), 'ce', 'numeric', 'digit_acc', 'digit_cond_acc', 'digit_entropy',
+    'digit_abs_error'; each value a 2-element tensor [sum, count] to be summed over
+    micro-batches and data-parallel ranks and divided.
+    """
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.stack([loss_sum.detach(), num_tokens.to(loss_sum.dtype)])}
+    stats = getattr(output_tensor, STATS_ATTRIBUTE, None)
+    if stats is not None:
+        for name, (total, count) in report_pairs(stats).items():
+            report[name] = torch.stack([total, count]).to(loss_sum.dtype)
+    return loss_sum, num_tokens, report

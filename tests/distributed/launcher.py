@@ -1,0 +1,48 @@
+"""Spawn a worker script under torchrun (gloo, CPU) and fail with its output if it fails."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600) -> str:
+    """Run tests/distributed/workers/<worker> on `nproc` processes; return its output."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+        PYTHONUNBUFFERED="1",
+        PYTHONWARNINGS="ignore::UserWarning",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(WORKERS / worker),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False
+    )
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{worker} on {nproc} ranks exited {proc.returncode}:\n{output[-6000:]}"
+        )
+    return output

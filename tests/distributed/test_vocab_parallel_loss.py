@@ -1,0 +1,25 @@
+"""vocab_parallel_numeric_loss under torchrun (gloo, CPU) against the single-device reference.
+
+The worker (workers/tp_loss.py) checks values, statistics and gradients for every kind and
+digit layout in float64 (1e-10) and float32 (1e-5, relative for sums), kind=mle against
+megatron-core's vocab_parallel_cross_entropy, and the collective counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .launcher import run_torchrun
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_matches_reference_with_megatron_group(tp):
+    output = run_torchrun("tp_loss.py", tp, "reference")
+    assert f"OK 624 cases on {tp} ranks" in output
+
+
+def test_explicit_group_without_megatron_state():
+    output = run_torchrun("tp_loss.py", 2, "explicit-group")
+    assert "OK 312 cases on 2 ranks" in output

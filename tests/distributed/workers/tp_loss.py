@@ -1,0 +1,245 @@
+"""torchrun worker: vocab_parallel_numeric_loss == numeric_loss on the gathered logits.
+
+Every rank builds the same full logits, takes its vocabulary shard, and compares per-token
+losses, statistics and gradients with the single-device reference for every loss kind, the
+digit-id layouts (a)-(d), masks, ignore_index, padded vocabulary and batches without digits.
+Also: kind=mle against megatron-core's vocab_parallel_cross_entropy, collective counts, and an
+explicit group with megatron's parallel state never initialized.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from del_megatron import DigitVocab, NumericLossConfig, emo_cost_embedding, numeric_loss
+from del_megatron.losses import vocab_parallel_numeric_loss
+from tests.utils import assert_close
+
+PADDED = 48  # divisible by 2 and 4
+LAYOUTS = {
+    # (a) all digits on rank 0
+    "one-rank": ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [10]),
+    # (b) spread over all ranks
+    "spread": ([1, 7, 13, 19, 25, 31, 37, 43, 3, 29], [22]),
+    # (c) a contiguous block straddling the middle shard boundary (24)
+    "straddle": ([19, 20, 21, 22, 23, 24, 25, 26, 27, 28], [30]),
+    # (d) two tokens for one class, on different ranks
+    "merged": ([[0, 26], 13, 2, 38, 4, [5, 40], 6, 19, 8, 9], [22, 44]),
+}
+KINDS = ["mle", "del", "del_distance", "ntl_was", "ntl_mse", "dist2", "mixce", "emo"]
+
+
+def labels_for(digit_ids, point_ids, batch, seq, vocab_size, gen, digits=True):
+    """Sequences of words and numbers over the given ids."""
+    flat = {i for ids in digit_ids for i in (ids if isinstance(ids, list) else [ids])}
+    others = [i for i in range(vocab_size) if i not in flat and i not in point_ids]
+
+    def digit(j):
+        ids = digit_ids[int(torch.randint(10, (1,), generator=gen))]
+        return ids[j % len(ids)] if isinstance(ids, list) else ids
+
+    rows = []
+    for _ in range(batch):
+        row = []
+        while len(row) < seq:
+            r = float(torch.rand((), generator=gen))
+            if not digits or r < 0.4:
+                row.append(others[int(torch.randint(len(others), (1,), generator=gen))])
+                continue
+            row += [digit(j) for j in range(int(torch.randint(1, 6, (1,), generator=gen)))]
+            if r > 0.75:  # a decimal part
+                row += [point_ids[int(r * 100) % len(point_ids)], digit(0), digit(1)]
+        rows.append(row[:seq])
+    return torch.tensor(rows)
+
+
+def compare(case, out, ref, grad_tp, grad_ref, atol):
+    assert_close(out.loss, ref.loss, atol=atol, rtol=atol, what=f"{case} loss")
+    assert_close(out.per_token, ref.per_token, atol=atol, rtol=atol, what=f"{case} per_token")
+    for key in ref.stats:
+        assert_close(
+            out.stats[key], ref.stats[key], atol=atol, rtol=atol, what=f"{case} stats[{key}]"
+        )
+    assert_close(grad_tp, grad_ref, atol=atol, rtol=atol, what=f"{case} grad")
+
+
+def check_against_reference(rank, world, dtype, atol):
+    cases = 0
+    for layout, (digit_ids, point_ids) in LAYOUTS.items():
+        for vocab_size in (PADDED, PADDED - 3):  # exact, padded for tensor parallelism
+            vocab = DigitVocab(digit_ids=digit_ids, point_ids=point_ids, vocab_size=vocab_size)
+            for variant in ("plain", "masked", "no-digits"):
+                gen = torch.Generator().manual_seed(cases)
+                batch, seq = 3, 20
+                labels = labels_for(
+                    digit_ids, point_ids, batch, seq, vocab_size, gen, digits=variant != "no-digits"
+                )
+                mask = None
+                if variant == "masked":
+                    labels[torch.rand(labels.shape, generator=gen) < 0.1] = -100
+                    mask = (torch.rand(labels.shape, generator=gen) > 0.2).to(dtype)
+                full = torch.randn(seq, batch, PADDED, generator=gen, dtype=torch.float64) * 3
+                full = full.to(dtype)
+                cost = emo_cost_embedding(torch.randn(PADDED, 6, generator=gen)).to(dtype)
+                weights = torch.rand(batch, seq, generator=gen, dtype=torch.float64).to(dtype)
+                local = PADDED // world
+                for kind in KINDS:
+                    for normalize in ("digits", "tokens"):
+                        if kind in ("mle", "mixce", "emo") and normalize == "tokens":
+                            continue
+                        cfg = NumericLossConfig(kind=kind, normalize=normalize)
+                        shard = (
+                            full[..., rank * local : (rank + 1) * local].clone().requires_grad_()
+                        )
+                        out = vocab_parallel_numeric_loss(
+                            shard,
+                            labels,
+                            vocab,
+                            cfg,
+                            mask,
+                            cost_embedding=cost[rank * local : (rank + 1) * local],
+                        )
+                        ref_logits = full.transpose(0, 1).clone().requires_grad_()
+                        ref = numeric_loss(
+                            ref_logits, labels, vocab, cfg, mask, cost_embedding=cost
+                        )
+                        # backward through both the scalar and the per-token losses
+                        (out.loss + (out.per_token * weights).sum()).backward()
+                        (ref.loss + (ref.per_token * weights).sum()).backward()
+                        grad_ref = ref_logits.grad.transpose(0, 1)[
+                            ..., rank * local : (rank + 1) * local
+                        ]
+                        case = f"{layout}/V={vocab_size}/{variant}/{kind}/{normalize}/{dtype}"
+                        compare(case, out, ref, shard.grad, grad_ref, atol)
+                        cases += 1
+    return cases
+
+
+def check_mle_equals_megatron(rank, world):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(7)
+    digit_ids, point_ids = LAYOUTS["spread"]
+    vocab = DigitVocab(digit_ids=digit_ids, point_ids=point_ids, vocab_size=PADDED)
+    labels = labels_for(digit_ids, point_ids, 2, 16, PADDED, gen)
+    full = torch.randn(16, 2, PADDED, generator=gen)
+    local = PADDED // world
+    shard = full[..., rank * local : (rank + 1) * local]
+    ours_in = shard.clone().requires_grad_()
+    theirs_in = shard.clone().requires_grad_()
+    ours = vocab_parallel_numeric_loss(ours_in, labels, vocab, NumericLossConfig(kind="mle"))
+    theirs = vocab_parallel_cross_entropy(theirs_in * 1.0, labels.t().contiguous())  # [s, b]
+    weights = torch.rand(2, 16, generator=gen)
+    (ours.per_token * weights).sum().backward()
+    (theirs.t() * weights).sum().backward()
+    assert_close(ours.per_token, theirs.t(), atol=1e-5, what="mle vs megatron values")
+    assert_close(ours_in.grad, theirs_in.grad, atol=1e-5, what="mle vs megatron grads")
+    assert torch.equal(ours_in.detach(), shard), "the caller's logits were modified"
+
+
+def count_collectives(rank, world):
+    """Counts every torch.distributed collective: 2 forward (3 for emo), 0 backward."""
+    names = [
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "reduce",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+    ]
+    calls = []
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+
+        return wrapper
+
+    gen = torch.Generator().manual_seed(11)
+    digit_ids, point_ids = LAYOUTS["merged"]
+    vocab = DigitVocab(digit_ids=digit_ids, point_ids=point_ids, vocab_size=PADDED - 3)
+    labels = labels_for(digit_ids, point_ids, 2, 16, PADDED - 3, gen)
+    local = PADDED // world
+    cost = emo_cost_embedding(torch.randn(PADDED, 4, generator=gen))[
+        rank * local : (rank + 1) * local
+    ]
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        for kind, expected_forward in [("del", 2), ("mle", 2), ("ntl_was", 2), ("emo", 3)]:
+            shard = torch.randn(16, 2, local, generator=gen, requires_grad=True)
+            calls.clear()
+            out = vocab_parallel_numeric_loss(
+                shard, labels, vocab, NumericLossConfig(kind=kind), cost_embedding=cost
+            )
+            forward = list(calls)
+            calls.clear()
+            out.loss.backward()
+            assert len(forward) == expected_forward, (kind, forward)
+            assert forward[:2] == ["all_reduce", "all_reduce"], (kind, forward)
+            assert calls == [], (kind, "backward collectives", calls)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def check_retain_graph_is_refused(rank, world):
+    digit_ids, point_ids = LAYOUTS["spread"]
+    vocab = DigitVocab(digit_ids=digit_ids, point_ids=point_ids, vocab_size=PADDED)
+    labels = labels_for(digit_ids, point_ids, 1, 8, PADDED, torch.Generator().manual_seed(1))
+    shard = torch.randn(8, 1, PADDED // world, requires_grad=True)
+    out = vocab_parallel_numeric_loss(shard, labels, vocab)
+    out.loss.backward(retain_graph=True)
+    try:
+        out.loss.backward()
+    except RuntimeError as err:
+        assert "retain_graph" in str(err)
+    else:
+        raise AssertionError("a second backward through the same graph was accepted")
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if mode == "explicit-group":
+        # megatron's parallel state is never initialized: the group must come from the caller
+        group = dist.new_group(list(range(world)))
+        global vocab_parallel_numeric_loss
+        plain = vocab_parallel_numeric_loss
+
+        def with_group(*args, **kwargs):
+            return plain(*args, group=group, **kwargs)
+
+        vocab_parallel_numeric_loss = with_group
+        cases = check_against_reference(rank, world, torch.float64, 1e-10)
+    else:
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        cases = check_against_reference(rank, world, torch.float64, 1e-10)
+        cases += check_against_reference(rank, world, torch.float32, 1e-5)
+        check_mle_equals_megatron(rank, world)
+        count_collectives(rank, world)
+        check_retain_graph_is_refused(rank, world)
+    dist.barrier()
+    if rank == 0:
+        print(f"OK {cases} cases on {world} ranks")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
