@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+NOT_RUN = "<!-- not run"
 
 
-def _blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+def _runnable_python_blocks() -> list[str]:
+    blocks = []
+    for match in re.finditer(r"```python\n(.*?)```", README, flags=re.S):
+        preceding = README[: match.start()].rstrip().splitlines()[-1]
+        if not preceding.startswith(NOT_RUN):
+            blocks.append(match.group(1))
+    return blocks
 
 
 def test_quick_start_has_one_bash_block_whose_test_line_ci_runs():
@@ -23,8 +33,12 @@ def test_quick_start_has_one_bash_block_whose_test_line_ci_runs():
     assert lines[-1].strip() in ci_lines
 
 
-def test_python_examples_run():
-    examples = _blocks("python")
-    assert examples
-    for code in examples:
-        exec(compile(code, "README.md", "exec"), {})
+@pytest.mark.parametrize("index", range(len(_runnable_python_blocks())))
+def test_python_example_runs(index, tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(_runnable_python_blocks()[index])
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -37,14 +37,18 @@ class _VocabParallelParts(torch.autograd.Function):
         owned = max(0, min(local_columns, vocab_size - vocab_start))  # real (unpadded) columns
         z = logits[:, :owned]
 
+        # The one saved [N, V/tp] buffer: a float32 copy of half logits, or for float32/64
+        # logits a fresh buffer, since the caller's logits are only ever read.
+        work = z.to(dtype) if z.dtype != dtype else None
         if owned:
-            row_max = z.amax(dim=-1).to(dtype)
+            row_max = (z if work is None else work).amax(dim=-1)
         else:
             row_max = torch.full((rows,), float("-inf"), dtype=dtype, device=logits.device)
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-
-        # The one saved [N, V/tp] buffer; the caller's logits are only read.
-        exp = torch.sub(z, row_max.unsqueeze(1)).to(dtype).exp_()
+        if work is None:
+            exp = torch.sub(z, row_max.unsqueeze(1)).exp_()
+        else:
+            exp = work.sub_(row_max.unsqueeze(1)).exp_()
         num_classes, width = member_ids.shape
         flat_ids = member_ids.flatten()
         owns_target = (target >= vocab_start) & (target < vocab_start + owned)
