@@ -38,7 +38,11 @@ def test_python_example_runs(index, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(_runnable_python_blocks()[index])
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -211,6 +211,57 @@ def check_retain_graph_is_refused(rank, world):
         raise AssertionError("a second backward through the same graph was accepted")
 
 
+def check_saved_memory(rank, world):
+    """Saved for backward: one float32 [N, V/tp] buffer plus O(N * K), like megatron's CE."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    digit_ids, point_ids = LAYOUTS["merged"]
+    local = 4096  # large enough that one more [N, V/tp] buffer would dwarf the O(N * K) part
+    vocab = DigitVocab(digit_ids=digit_ids, point_ids=point_ids, vocab_size=local * world)
+    seq, batch = 64, 4
+    labels = labels_for(digit_ids, point_ids, batch, seq, 48, torch.Generator().manual_seed(3))
+    for dtype in (torch.float32, torch.bfloat16):
+        saved = {}
+
+        def pack(t, saved=saved):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        shard = torch.randn(seq, batch, local).to(dtype).requires_grad_()
+        with saved_tensors_hooks(pack, lambda t: t):
+            out = vocab_parallel_numeric_loss(shard, labels, vocab, NumericLossConfig(kind="del"))
+        rows = seq * batch
+        buffer = rows * local * 4
+        # besides the buffer: per row a handful of scalars and the K x M member shares, in a
+        # few copies (autograd of the small digit terms): O(N * K), under 5% of the buffer here
+        small = rows * (16 + 4 * 10 * 2) * 8
+        total = sum(saved.values())
+        assert buffer <= total <= buffer + small, (dtype, total, buffer, small)
+        out.loss.backward()
+
+
+def check_bf16(rank, world):
+    """bf16 shards are computed in float32: equal to the reference on the same bf16 logits."""
+    digit_ids, point_ids = LAYOUTS["straddle"]
+    vocab = DigitVocab(digit_ids=digit_ids, point_ids=point_ids, vocab_size=PADDED - 3)
+    gen = torch.Generator().manual_seed(4)
+    labels = labels_for(digit_ids, point_ids, 2, 32, PADDED - 3, gen)
+    full = (torch.randn(32, 2, PADDED, generator=gen) * 3).bfloat16()
+    local = PADDED // world
+    for kind in ("del", "dist2", "mle"):
+        cfg = NumericLossConfig(kind=kind)
+        shard = full[..., rank * local : (rank + 1) * local].clone().requires_grad_()
+        out = vocab_parallel_numeric_loss(shard, labels, vocab, cfg)
+        ref_logits = full.transpose(0, 1).clone().requires_grad_()
+        ref = numeric_loss(ref_logits, labels, vocab, cfg)
+        out.loss.backward()
+        ref.loss.backward()
+        assert shard.grad.dtype == torch.bfloat16
+        assert_close(out.loss, ref.loss, atol=1e-5, what=f"bf16 {kind} loss")
+        grad_ref = ref_logits.grad.transpose(0, 1)[..., rank * local : (rank + 1) * local]
+        assert_close(shard.grad.float(), grad_ref.float(), atol=1e-4, what=f"bf16 {kind} grad")
+
+
 def main() -> None:
     mode = sys.argv[1]
     dist.init_process_group("gloo")
@@ -235,6 +286,8 @@ def main() -> None:
         check_mle_equals_megatron(rank, world)
         count_collectives(rank, world)
         check_retain_graph_is_refused(rank, world)
+        check_saved_memory(rank, world)
+        check_bf16(rank, world)
     dist.barrier()
     if rank == 0:
         print(f"OK {cases} cases on {world} ranks")
