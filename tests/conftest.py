@@ -94,3 +94,49 @@ def mistral_tokenizer_model() -> Path:
     if not path.is_file():
         pytest.skip("mistral-common does not ship tokenizer.model.v1")
     return path
+
+
+@pytest.fixture(scope="session")
+def synth_corpus(tmp_path_factory) -> Path:
+    """data_tools synth: 600 training documents and 50 held-out problems."""
+    from data_tools.synth import write_corpus
+
+    out = tmp_path_factory.mktemp("synth")
+    write_corpus(out, documents=600, heldout=50, seed=7)
+    return out
+
+
+@pytest.fixture(scope="session")
+def synth_tokenizer(synth_corpus, tmp_path_factory) -> Path:
+    """A sentencepiece tokenizer trained on the synthetic corpus by data_tools."""
+    from data_tools.tokenizer_train import train_tokenizer
+
+    return train_tokenizer(
+        [synth_corpus / "train.jsonl"],
+        tmp_path_factory.mktemp("tok") / "tokenizer.model",
+        vocab_size=800,
+    )
+
+
+@pytest.fixture(scope="session")
+def synth_shards(synth_corpus, synth_tokenizer, tmp_path_factory) -> Path:
+    """The synthetic corpus as ~20 small shards; returns the manifest path."""
+    from data_tools.build import build_shards
+
+    out = tmp_path_factory.mktemp("shards")
+    build_shards(
+        [synth_corpus / "train.jsonl"], out, synth_tokenizer, shard_bytes=24 << 10, progress=False
+    )
+    return out / "manifest.json"
+
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+@pytest.fixture(scope="session")
+def gsm8k_train() -> Path:
+    """GSM8K train (MIT), beside the checkout in ../shared; tests using it skip without it."""
+    path = GSM8K / "train.jsonl"
+    if not path.is_file():
+        pytest.skip("../shared/data/gsm8k is not present")
+    return path

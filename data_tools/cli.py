@@ -1,0 +1,123 @@
+"""`data-tools` (or `python -m data_tools`): tokenizer, synth, build, inspect.
+
+Errors in the input (a missing file, a wrong field, a bad tokenizer) print one line naming
+the file or field and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from del_megatron.data.format import DataError
+from del_megatron.losses.vocab import TokenizerError
+
+from .readers import Fields, InputError
+
+
+def _fields(args: argparse.Namespace) -> Fields:
+    return Fields(text=args.text_field, prompt=args.prompt_field, response=args.response_field)
+
+
+def _add_fields(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--text-field", default="text", help="JSON/parquet field of the text")
+    parser.add_argument("--prompt-field", help="instruction data: field of the prompt (masked)")
+    parser.add_argument("--response-field", help="instruction data: field of the response")
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> None:
+    from .tokenizer_train import train_tokenizer
+
+    path = train_tokenizer(
+        args.inputs, args.output, vocab_size=args.vocab_size, fields=_fields(args)
+    )
+    print(f"tokenizer written: {path}")
+
+
+def cmd_synth(args: argparse.Namespace) -> None:
+    from .synth import write_corpus
+
+    train, held = write_corpus(
+        args.output, documents=args.documents, heldout=args.heldout, seed=args.seed
+    )
+    print(f"corpus written: {train} ({args.documents} documents), {held} ({args.heldout})")
+
+
+def cmd_build(args: argparse.Namespace) -> None:
+    from .build import build_shards
+
+    manifest = build_shards(
+        args.inputs,
+        args.output,
+        args.tokenizer,
+        fields=_fields(args),
+        shard_bytes=int(args.shard_mb * 2**20),
+        workers=args.workers,
+        progress=not args.quiet,
+    )
+    print(
+        f"{len(manifest.shards)} shards, {manifest.documents} documents, "
+        f"{manifest.tokens} tokens -> {args.output}"
+    )
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from .inspect import inspect_shards
+
+    print(json.dumps(inspect_shards(args.manifest, args.tokenizer), indent=1))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="data-tools", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer that splits digits")
+    t.add_argument("inputs", nargs="+", type=Path)
+    t.add_argument("-o", "--output", type=Path, required=True, help="the .model file to write")
+    t.add_argument("--vocab-size", type=int, default=4000)
+    _add_fields(t)
+    t.set_defaults(func=cmd_tokenizer)
+
+    s = sub.add_parser("synth", help="write a deterministic math-heavy corpus")
+    s.add_argument("-o", "--output", type=Path, required=True, help="directory")
+    s.add_argument("--documents", type=int, default=20000)
+    s.add_argument("--heldout", type=int, default=500)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=cmd_synth)
+
+    b = sub.add_parser("build", help="tokenize corpus files into webdataset shards")
+    b.add_argument("inputs", nargs="+", type=Path, help="files or directories")
+    b.add_argument("-o", "--output", type=Path, required=True, help="shard directory")
+    b.add_argument(
+        "--tokenizer",
+        type=Path,
+        required=True,
+        help="sentencepiece .model or Hugging Face tokenizer.json / directory",
+    )
+    b.add_argument("--shard-mb", type=float, default=64.0, help="target shard size in MiB")
+    b.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_fields(b)
+    b.set_defaults(func=cmd_build)
+
+    i = sub.add_parser("inspect", help="documents, tokens, digit share, number lengths")
+    i.add_argument("manifest", type=Path)
+    i.add_argument("--tokenizer", type=Path, help="to count digit tokens")
+    i.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (InputError, TokenizerError, DataError, ValueError) as err:
+        print(f"data-tools {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

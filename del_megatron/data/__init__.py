@@ -1,0 +1,18 @@
+"""Streaming tokenized shards to every rank: shard format, resumable streams, the loader."""
+
+from .config import DataConfig, DataSource
+from .format import DataError, Document, Manifest, ShardEntry, TokenizerInfo, read_manifest
+from .loader import StreamingLoader, load_manifests
+
+__all__ = [
+    "DataConfig",
+    "DataError",
+    "DataSource",
+    "Document",
+    "Manifest",
+    "ShardEntry",
+    "StreamingLoader",
+    "TokenizerInfo",
+    "load_manifests",
+    "read_manifest",
+]

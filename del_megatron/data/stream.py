@@ -1,0 +1,272 @@
+"""Deterministic, resumable document streams and the packing of documents into windows.
+
+A *slot* is one (data-parallel rank, loader worker) pair; slots = dp_size * num_workers.
+Each slot reads its own part of every source: whole shards when a source has at least as
+many shards as there are slots, else every shard with every slots-th sample. The order
+depends only on (seed, source, epoch[, shard]), so every position is a handful of integers
+and a resumed stream continues with the next unseen token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .config import DataConfig
+from .format import DataError, Document, Manifest, read_shard, resolve
+
+log = logging.getLogger(__name__)
+STATE_VERSION = 1
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(list(key))))
+
+
+@dataclass
+class ReaderPosition:
+    epoch: int = 0
+    shard_pos: int = 0  # index into this slot's shard plan for the epoch
+    sample_pos: int = 0  # index into the (permuted) samples of that shard
+    seen: int = 0  # samples passed in the epoch so far (for per-sample striding)
+    taken: int = 0  # documents this slot took in the epoch so far
+
+
+class SourceReader:
+    """The documents of one source that belong to one slot, in order."""
+
+    def __init__(
+        self,
+        url: str,
+        manifest: Manifest,
+        index: int,
+        slot: int,
+        slots: int,
+        cfg: DataConfig,
+        skipped: list[str],
+    ) -> None:
+        self.url, self.manifest, self.index = url, manifest, index
+        self.slot, self.slots, self.cfg = slot, slots, cfg
+        self.position = ReaderPosition()
+        self.striding = len(manifest.shards) < slots
+        self.skipped = skipped  # shared per slot: names of skipped shards
+        self._loaded: tuple[tuple[int, int], list[Document]] | None = None
+
+    def plan(self, epoch: int) -> list[int]:
+        """Shard indices this slot reads in `epoch`."""
+        n = len(self.manifest.shards)
+        order = (
+            _rng(self.cfg.seed, self.index, epoch).permutation(n)
+            if self.cfg.shuffle
+            else np.arange(n)
+        )
+        return [int(i) for i in (order if self.striding else order[self.slot :: self.slots])]
+
+    def _shard(self, epoch: int, shard: int) -> list[Document]:
+        if self._loaded is not None and self._loaded[0] == (epoch, shard):
+            return self._loaded[1]
+        entry = self.manifest.shards[shard]
+        location = resolve(self.url, entry.name)
+        try:
+            docs = read_shard(location, entry, allow_pipe=self.cfg.allow_pipe)
+        except DataError as err:
+            if self.cfg.on_error == "fail":
+                raise
+            log.warning("skipping shard: %s", err)
+            if location not in self.skipped:
+                self.skipped.append(location)
+            docs = []
+        if self.cfg.shuffle and docs:
+            order = _rng(self.cfg.seed, self.index, epoch, shard).permutation(len(docs))
+            docs = [docs[i] for i in order]
+        self._loaded = ((epoch, shard), docs)
+        return docs
+
+    def next_document(self) -> Document | None:
+        """The next document, or None once cfg.epochs epochs are done."""
+        pos = self.position
+        while True:
+            if self.cfg.epochs is not None and pos.epoch >= self.cfg.epochs:
+                return None
+            plan = self.plan(pos.epoch)
+            if pos.shard_pos >= len(plan):
+                if pos.taken == 0:  # streaming on would loop forever without a document
+                    raise DataError(
+                        f"{self.url}: no readable document for data-parallel slot {self.slot} "
+                        f"of {self.slots} (fewer documents than ranks x workers, or every "
+                        "shard skipped)"
+                    )
+                self.position = pos = ReaderPosition(epoch=pos.epoch + 1)
+                continue
+            docs = self._shard(pos.epoch, plan[pos.shard_pos])
+            if pos.sample_pos >= len(docs):
+                pos.shard_pos, pos.sample_pos = pos.shard_pos + 1, 0
+                continue
+            doc = docs[pos.sample_pos]
+            pos.sample_pos += 1
+            pos.seen += 1
+            if self.striding and (pos.seen - 1) % self.slots != self.slot:
+                continue
+            pos.taken += 1
+            return doc
+
+    def planned_tokens(self, epochs: int) -> int:
+        """Tokens plus one EOS per document this slot reads in `epochs` epochs (manifest counts;
+        per-sample striding reads the shards to count)."""
+        total = 0
+        for epoch in range(epochs):
+            if not self.striding:
+                shards = [self.manifest.shards[i] for i in self.plan(epoch)]
+                total += sum(e.tokens + e.samples for e in shards)
+                continue
+            seen = 0
+            for shard in self.plan(epoch):
+                for doc in self._shard(epoch, shard):
+                    if seen % self.slots == self.slot:
+                        total += len(doc.tokens) + 1
+                    seen += 1
+        return total
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(vars(self.position))
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = ReaderPosition(**state)
+
+
+@dataclass
+class Windows:
+    """micro_batch_size packed windows: tokens [b, s+1] (uint32), target mask [b, s+1]."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+
+
+@dataclass
+class SlotStream:
+    """Mixes the sources of one slot by tokens and packs documents into windows."""
+
+    cfg: DataConfig
+    readers: list[SourceReader]
+    eos_id: int
+    drawn: list[int] = field(default_factory=list)  # tokens taken from each source
+    pending_tokens: list[np.ndarray] = field(default_factory=list)
+    pending_mask: list[np.ndarray] = field(default_factory=list)
+    batches: int = 0
+    exhausted: list[bool] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.drawn = self.drawn or [0] * len(self.readers)
+        self.exhausted = self.exhausted or [False] * len(self.readers)
+        self.weights = np.array([s.weight for s in self.cfg.sources], dtype=np.float64)
+
+    def _pending_length(self) -> int:
+        return sum(len(t) for t in self.pending_tokens)
+
+    def _draw(self) -> bool:
+        """Append the next document of the source furthest behind its share; False when none."""
+        while not all(self.exhausted):
+            share = np.array(self.drawn, dtype=np.float64) / self.weights
+            share[np.array(self.exhausted)] = np.inf
+            source = int(np.argmin(share))
+            doc = self.readers[source].next_document()
+            if doc is None:
+                self.exhausted[source] = True
+                continue
+            n = len(doc.tokens)
+            mask = np.ones(n + 1, dtype=np.uint8)
+            if doc.mask is not None:
+                mask[:n] = doc.mask
+            if self.cfg.mask_after_boundary and n:
+                mask[0] = 0
+            self.pending_tokens.append(
+                np.concatenate([doc.tokens.astype(np.uint32), np.array([self.eos_id], np.uint32)])
+            )
+            self.pending_mask.append(mask)
+            self.drawn[source] += n + 1
+            return True
+        return False
+
+    def next_windows(self) -> Windows | None:
+        """The next micro-batch of windows, None when every source is exhausted (finite
+        epochs) and nothing is pending. Consecutive windows share one token (as Megatron's)."""
+        s, b = self.cfg.seq_len, self.cfg.micro_batch_size
+        need = b * s + 1
+        while self._pending_length() < need and self._draw():
+            pass
+        length = self._pending_length()
+        if length <= 1 and all(self.exhausted):
+            return None
+        tokens = (
+            np.concatenate(self.pending_tokens) if self.pending_tokens else np.zeros(0, np.uint32)
+        )
+        mask = np.concatenate(self.pending_mask) if self.pending_mask else np.zeros(0, np.uint8)
+        if length < need:  # the end of a finite stream: pad with masked EOS
+            tokens = np.concatenate([tokens, np.full(need - length, self.eos_id, np.uint32)])
+            mask = np.concatenate([mask, np.zeros(need - length, np.uint8)])
+        starts = np.arange(b) * s
+        index = starts[:, None] + np.arange(s + 1)[None, :]
+        out = Windows(tokens=tokens[index], mask=mask[index])
+        if length >= need:  # keep the last token: the next window starts with it
+            self.pending_tokens, self.pending_mask = [tokens[b * s :]], [mask[b * s :]]
+        else:
+            self.pending_tokens, self.pending_mask = [], []
+            self.exhausted = [True] * len(self.readers)
+        self.batches += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "readers": [r.state_dict() for r in self.readers],
+            "drawn": list(self.drawn),
+            "exhausted": list(self.exhausted),
+            # the partly packed window (numpy here; lists once the loader saves its state)
+            "pending_tokens": (
+                np.concatenate(self.pending_tokens)
+                if self.pending_tokens
+                else np.zeros(0, np.uint32)
+            ),
+            "pending_mask": (
+                np.concatenate(self.pending_mask) if self.pending_mask else np.zeros(0, np.uint8)
+            ),
+            "batches": self.batches,
+            "skipped": list(self.skipped),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise DataError(
+                f"data-loader state version {state.get('version')} is not {STATE_VERSION}"
+            )
+        if len(state["readers"]) != len(self.readers):
+            raise DataError(
+                f"data-loader state has {len(state['readers'])} sources, the config "
+                f"{len(self.readers)}"
+            )
+        for reader, reader_state in zip(self.readers, state["readers"], strict=True):
+            reader.load_state_dict(reader_state)
+        self.drawn = list(state["drawn"])
+        self.exhausted = list(state["exhausted"])
+        tokens = np.array(state["pending_tokens"], dtype=np.uint32)
+        mask = np.array(state["pending_mask"], dtype=np.uint8)
+        self.pending_tokens, self.pending_mask = ([tokens], [mask]) if len(tokens) else ([], [])
+        self.batches = state["batches"]
+        self.skipped[:] = state["skipped"]
+
+
+def build_slot_stream(
+    cfg: DataConfig, manifests: list[tuple[str, Manifest]], slot: int, slots: int
+) -> SlotStream:
+    skipped: list[str] = []
+    readers = [
+        SourceReader(url, manifest, i, slot, slots, cfg, skipped)
+        for i, (url, manifest) in enumerate(manifests)
+    ]
+    return SlotStream(
+        cfg=cfg, readers=readers, eos_id=manifests[0][1].tokenizer.eos_id, skipped=skipped
+    )
