@@ -91,7 +91,7 @@ def arithmetic(rng: random.Random) -> tuple[str, str]:
 
 def word_problem(rng: random.Random) -> tuple[str, str]:
     name = rng.choice(NAMES)
-    (one, many), count = rng.choice(ITEMS), rng.randint(2, 24)
+    (_, many), count = rng.choice(ITEMS), rng.randint(2, 24)
     price = _decimal(rng, rng.randint(1, 2), 2)
     extra = _decimal(rng, 1, 2)
     total = count * price + extra
