@@ -8,17 +8,24 @@ name, and a re-run rebuilds it whole.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import itertools
 import multiprocessing
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
-from del_megatron.data.format import Document, Manifest, ShardEntry, TokenizerInfo, encode_sample
+from del_megatron.data.format import (
+    Manifest,
+    ShardEntry,
+    TokenizerInfo,
+    encode_sample,
+    end_of_archive,
+)
 from del_megatron.tokenizer import Tokenizer
 
 from .readers import Fields, Record, expand_inputs, read_records
@@ -36,21 +43,27 @@ def _init_worker(tokenizer_path: str) -> None:
     _tokenizer = Tokenizer(tokenizer_path)
 
 
-def tokenize_records(records: list[Record]) -> list[Document]:
-    """Records -> documents with the process's tokenizer (prompt tokens masked)."""
+def tokenize_records(records: list[Record]) -> list[tuple[bytes, bytes | None]]:
+    """Records -> (uint32 little-endian token bytes, uint8 mask bytes or None) per document,
+    in a tokenizer process. It does as little else as it can: tokenizing is the build's cost
+    (array.array packs ids ~4x faster than numpy at document sizes)."""
     assert _tokenizer is not None
-    docs = []
+    out = []
     for record in records:
         if isinstance(record, str):
-            docs.append(Document(np.asarray(_tokenizer.encode(record), dtype=np.uint32), None))
+            out.append((_pack_ids(_tokenizer.encode(record)), None))
         else:
-            prompt = _tokenizer.encode(record[0])
-            response = _tokenizer.encode(record[1])
-            mask = np.concatenate(
-                [np.zeros(len(prompt), np.uint8), np.ones(len(response), np.uint8)]
-            )
-            docs.append(Document(np.asarray(prompt + response, dtype=np.uint32), mask))
-    return docs
+            prompt, response = _tokenizer.encode(record[0]), _tokenizer.encode(record[1])
+            mask = bytes(len(prompt)) + b"\x01" * len(response)
+            out.append((_pack_ids(prompt + response), mask))
+    return out
+
+
+def _pack_ids(ids: list[int]) -> bytes:
+    packed = array.array("I", ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _chunks(records: Iterable[Record]) -> Iterator[list[Record]]:
@@ -68,26 +81,24 @@ class _ShardWriter:
         self._open()
 
     def _open(self) -> None:
-        import webdataset as wds
-
         self.name = SHARD_PATTERN.format(len(self.entries))
         self.tmp = self.out_dir / (self.name + TMP_SUFFIX)
         self.file = open(self.tmp, "wb")
-        # Fixed mtime/owner: byte-identical output, and plain ustar headers without per-file
-        # PAX records (those cost ~1.8x in read speed).
-        self.tar = wds.TarWriter(self.file, encoder=False, mtime=0, user="", group="", mode=0o444)
         self.samples = self.tokens = 0
 
-    def write(self, doc: Document) -> None:
-        self.tar.write(encode_sample(f"{self.samples:08d}", doc))
+    def write(self, tokens: bytes, mask: bytes | None) -> None:
+        """One document: token ids (uint32 LE bytes) and its loss mask (uint8 bytes) if any."""
+        # plain ustar members with fixed metadata: byte-identical output, no per-file PAX
+        # records (those cost ~1.8x in read speed)
+        self.file.write(encode_sample(f"{self.samples:08d}", tokens, mask))
         self.samples += 1
-        self.tokens += len(doc.tokens)
+        self.tokens += len(tokens) // 4
         if self.file.tell() >= self.target_bytes:
             self._close()
             self._open()
 
     def _close(self) -> None:
-        self.tar.close()
+        self.file.write(end_of_archive(self.file.tell()))
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
@@ -139,19 +150,21 @@ def build_shards(
     records = itertools.chain.from_iterable(read_records(f, fields) for f in files)
     writer = _ShardWriter(out_dir, shard_bytes)
     bar = tqdm(desc=f"tokenizing {out_dir.name}", unit="doc", disable=not progress)
-    if workers > 1:
+    if workers > 0:  # tokenizer processes; this one reads the input and writes the shards
         pool = multiprocessing.get_context("fork").Pool(
             workers, initializer=_init_worker, initargs=(str(tokenizer_path),)
         )
-        batches: Iterator[list[Document]] = pool.imap(tokenize_records, _chunks(records))
+        batches: Iterator[list[tuple[bytes, bytes | None]]] = pool.imap(
+            tokenize_records, _chunks(records)
+        )
     else:
         pool = None
         _init_worker(str(tokenizer_path))
         batches = map(tokenize_records, _chunks(records))
     try:
         for docs in batches:
-            for doc in docs:
-                writer.write(doc)
+            for tokens, mask in docs:
+                writer.write(tokens, mask)
             bar.update(len(docs))
     finally:
         bar.close()

@@ -97,7 +97,9 @@ def parser() -> argparse.ArgumentParser:
         help="sentencepiece .model or Hugging Face tokenizer.json / directory",
     )
     b.add_argument("--shard-mb", type=float, default=64.0, help="target shard size in MiB")
-    b.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    b.add_argument(
+        "--workers", type=int, default=1, help="tokenizer processes (0: tokenize in this process)"
+    )
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_fields(b)
     b.set_defaults(func=cmd_build)

@@ -51,8 +51,9 @@ def _to_batch(windows, state: dict[str, Any], logical: int) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    """numpy arrays to lists, so the state is plain data (JSON, torch.load weights_only)."""
-    if isinstance(value, np.ndarray):
+    """Arrays to lists, so the state is plain data (JSON, torch.load weights_only). Worker
+    processes hand numpy arrays over as tensors (DataLoader's default_convert)."""
+    if isinstance(value, (np.ndarray, torch.Tensor)):
         return value.tolist()
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}

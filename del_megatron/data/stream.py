@@ -54,16 +54,20 @@ class SourceReader:
         self.striding = len(manifest.shards) < slots
         self.skipped = skipped  # shared per slot: names of skipped shards
         self._loaded: tuple[tuple[int, int], list[Document]] | None = None
+        self._plan: tuple[int, list[int]] | None = None
 
     def plan(self, epoch: int) -> list[int]:
         """Shard indices this slot reads in `epoch`."""
-        n = len(self.manifest.shards)
-        order = (
-            _rng(self.cfg.seed, self.index, epoch).permutation(n)
-            if self.cfg.shuffle
-            else np.arange(n)
-        )
-        return [int(i) for i in (order if self.striding else order[self.slot :: self.slots])]
+        if self._plan is None or self._plan[0] != epoch:
+            n = len(self.manifest.shards)
+            order = (
+                _rng(self.cfg.seed, self.index, epoch).permutation(n)
+                if self.cfg.shuffle
+                else np.arange(n)
+            )
+            mine = order if self.striding else order[self.slot :: self.slots]
+            self._plan = (epoch, [int(i) for i in mine])
+        return self._plan[1]
 
     def _shard(self, epoch: int, shard: int) -> list[Document]:
         if self._loaded is not None and self._loaded[0] == (epoch, shard):
@@ -162,32 +166,41 @@ class SlotStream:
     def __post_init__(self) -> None:
         self.drawn = self.drawn or [0] * len(self.readers)
         self.exhausted = self.exhausted or [False] * len(self.readers)
-        self.weights = np.array([s.weight for s in self.cfg.sources], dtype=np.float64)
+        self.weights = [s.weight for s in self.cfg.sources]
+        self.pending = sum(len(t) for t in self.pending_tokens)
+        self._eos = np.array([self.eos_id], np.uint32)
+        self._ones = np.ones(0, np.uint8)  # grown on demand; documents' masks are views of it
 
-    def _pending_length(self) -> int:
-        return sum(len(t) for t in self.pending_tokens)
+    def _ones_view(self, n: int) -> np.ndarray:
+        if len(self._ones) < n:
+            self._ones = np.ones(max(n, 2 * len(self._ones), 4096), np.uint8)
+        return self._ones[:n]
 
     def _draw(self) -> bool:
         """Append the next document of the source furthest behind its share; False when none."""
         while not all(self.exhausted):
-            share = np.array(self.drawn, dtype=np.float64) / self.weights
-            share[np.array(self.exhausted)] = np.inf
-            source = int(np.argmin(share))
+            source = min(
+                (i for i in range(len(self.readers)) if not self.exhausted[i]),
+                key=lambda i: self.drawn[i] / self.weights[i],
+            )
             doc = self.readers[source].next_document()
             if doc is None:
                 self.exhausted[source] = True
                 continue
             n = len(doc.tokens)
-            mask = np.ones(n + 1, dtype=np.uint8)
-            if doc.mask is not None:
-                mask[:n] = doc.mask
-            if self.cfg.mask_after_boundary and n:
-                mask[0] = 0
-            self.pending_tokens.append(
-                np.concatenate([doc.tokens.astype(np.uint32), np.array([self.eos_id], np.uint32)])
-            )
-            self.pending_mask.append(mask)
+            if doc.mask is None and not self.cfg.mask_after_boundary:
+                self.pending_mask += [self._ones_view(n + 1)]
+            else:
+                mask = np.ones(n + 1, dtype=np.uint8)
+                if doc.mask is not None:
+                    mask[:n] = doc.mask
+                if self.cfg.mask_after_boundary and n:
+                    mask[0] = 0
+                self.pending_mask.append(mask)
+            self.pending_tokens += [doc.tokens, self._eos]
+            self.pending_mask.append(self._ones_view(0))  # keeps the two lists in step
             self.drawn[source] += n + 1
+            self.pending += n + 1
             return True
         return False
 
@@ -196,15 +209,13 @@ class SlotStream:
         epochs) and nothing is pending. Consecutive windows share one token (as Megatron's)."""
         s, b = self.cfg.seq_len, self.cfg.micro_batch_size
         need = b * s + 1
-        while self._pending_length() < need and self._draw():
+        while self.pending < need and self._draw():
             pass
-        length = self._pending_length()
+        length = self.pending
         if length <= 1 and all(self.exhausted):
             return None
-        tokens = (
-            np.concatenate(self.pending_tokens) if self.pending_tokens else np.zeros(0, np.uint32)
-        )
-        mask = np.concatenate(self.pending_mask) if self.pending_mask else np.zeros(0, np.uint8)
+        tokens = np.concatenate([*self.pending_tokens, np.zeros(0, np.uint32)])
+        mask = np.concatenate([*self.pending_mask, np.zeros(0, np.uint8)])
         if length < need:  # the end of a finite stream: pad with masked EOS
             tokens = np.concatenate([tokens, np.full(need - length, self.eos_id, np.uint32)])
             mask = np.concatenate([mask, np.zeros(need - length, np.uint8)])
@@ -213,8 +224,9 @@ class SlotStream:
         out = Windows(tokens=tokens[index], mask=mask[index])
         if length >= need:  # keep the last token: the next window starts with it
             self.pending_tokens, self.pending_mask = [tokens[b * s :]], [mask[b * s :]]
+            self.pending = length - b * s
         else:
-            self.pending_tokens, self.pending_mask = [], []
+            self.pending_tokens, self.pending_mask, self.pending = [], [], 0
             self.exhausted = [True] * len(self.readers)
         self.batches += 1
         return out
@@ -255,6 +267,7 @@ class SlotStream:
         tokens = np.array(state["pending_tokens"], dtype=np.uint32)
         mask = np.array(state["pending_mask"], dtype=np.uint8)
         self.pending_tokens, self.pending_mask = ([tokens], [mask]) if len(tokens) else ([], [])
+        self.pending = len(tokens)
         self.batches = state["batches"]
         self.skipped[:] = state["skipped"]
 
