@@ -44,6 +44,26 @@ def resolve_device(requested: str) -> torch.device:
     return device
 
 
+def select_accelerator(device: torch.device) -> None:
+    """Tell DeepSpeed which accelerator to use; call before deepspeed is imported."""
+    import os
+
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:
+    """Activation recompute: on GPU when enabled (megatron's recompute saves CUDA RNG state,
+    so it cannot run on CPU)."""
+    if device.type != "cuda" or not enabled:
+        return {}
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    }
+
+
 def transformer_config_overrides(device: torch.device) -> dict[str, Any]:
     """TransformerConfig fields that depend on the device."""
     if device.type == "cpu":

@@ -1,0 +1,1 @@
+"""Command-line entry points: parse, validate, call the library, map errors to one line."""

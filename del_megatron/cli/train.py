@@ -1,0 +1,68 @@
+"""del-train --config FILE [section.field=value ...] [--dry-run]
+
+Run under torchrun or SLURM for several processes; alone it runs one. Configuration and
+environment mistakes print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import ConfigError, dump_run_config, load_run_config
+from ..data import DataError
+from ..losses.vocab import TokenizerError
+
+
+def final_table(before: dict[str, float] | None, after: dict[str, float] | None) -> str:
+    if before is None or after is None:
+        return "no held-out data (eval.sources) to compare"
+    rows = [
+        ("held-out loss", "loss", ".4f"),
+        ("digit accuracy", "digit_acc", ".4f"),
+        ("digit entropy", "digit_entropy", ".4f"),
+        ("digit abs error", "digit_abs_error", ".3f"),
+    ]
+    lines = [f"{'':18s} {'before':>10s} {'after':>10s}"]
+    for label, key, fmt in rows:
+        lines.append(f"{label:18s} {before[key]:>10{fmt}} {after[key]:>10{fmt}}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="del-train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="run config (YAML)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate, print the resolved config and parallel layout, exit",
+    )
+    parser.add_argument("overrides", nargs="*", help="section.field=value")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+        from ..training.preflight import preflight
+
+        layout = preflight(cfg)
+        if args.dry_run:
+            print(dump_run_config(cfg), end="")
+            print("# layout: " + json.dumps(layout))
+            return 0
+        from ..training.trainer import train
+
+        result = train(cfg)
+    except (ConfigError, DataError, TokenizerError) as err:
+        print(f"del-train: error: {err}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(final_table(result.eval_before, result.eval_after))
+        if result.checkpoint:
+            print(f"checkpoint: {result.checkpoint}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The one schema of a training run: typed sections, validated on load, dotted overrides.
+
+`load_run_config(path, overrides)` reads YAML, applies `section.field=value` overrides
+(values parsed as YAML), validates, and raises `ConfigError` with one line naming the field.
+Checks that need the environment (world size, device, tokenizer and manifest files) are in
+`check_environment`. The DeepSpeed JSON is generated from this record (`deepspeed_config`),
+never written by hand.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .data.config import DataSource
+from .losses import NumericLossConfig
+from .models.llama import LlamaArchitecture
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message is one line naming the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ParallelConfig(_Section):
+    tensor_parallel: int = Field(default=1, ge=1)
+    """Tensor-parallel size (ranks sharing one layer); data-parallel size = world / this."""
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    """DeepSpeed ZeRO stage across data-parallel ranks."""
+    sequence_parallel: bool = False
+    """Not supported with DeepSpeed (it does not all-reduce layer-norm gradients across
+    tensor-parallel ranks): refused."""
+
+
+class OptimConfig(_Section):
+    lr: float = Field(default=5e-6, gt=0)
+    min_lr: float = Field(default=0.0, ge=0)
+    """Floor of the cosine schedule."""
+    warmup_fraction: float = Field(default=0.03, ge=0, lt=1)
+    """Share of train.steps spent in linear warmup."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    beta1: float = Field(default=0.9, gt=0, lt=1)
+    beta2: float = Field(default=0.95, gt=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    clip_grad: float = Field(default=1.0, ge=0)
+    """Global gradient-norm clip (0: off)."""
+
+
+class TrainConfig(_Section):
+    steps: int = Field(gt=0)
+    """Optimizer steps."""
+    micro_batch_size: int = Field(gt=0)
+    global_batch_size: int = Field(gt=0)
+    """Sequences per optimizer step = micro_batch_size x accumulation x data-parallel size."""
+    seq_len: int = Field(gt=0)
+    seed: int = 1234
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    activation_checkpointing: bool = True
+    """Recompute activations in backward (GPU only; megatron's recompute needs CUDA RNG)."""
+    log_interval: int = Field(default=10, gt=0)
+    eval_interval: int = Field(default=0, ge=0)
+    """Evaluate on eval.sources every this many steps (0: only before and after)."""
+    save_interval: int = Field(default=0, ge=0)
+    """Checkpoint every this many steps (0: only at the end)."""
+
+
+class DataSection(_Section):
+    tokenizer: str
+    """sentencepiece .model or Hugging Face tokenizer.json / directory: the run's tokenizer."""
+    sources: tuple[DataSource, ...] = Field(min_length=1)
+    num_workers: int = Field(default=1, ge=0)
+    shuffle: bool = True
+    mask_after_boundary: bool = False
+    on_error: Literal["skip", "fail"] = "fail"
+    allow_pipe: bool = False
+
+
+class EvalConfig(_Section):
+    sources: tuple[DataSource, ...] = ()
+    """Held-out shards, read once in file order for each evaluation."""
+    max_batches: int = Field(default=50, gt=0)
+
+
+class LoggingConfig(_Section):
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    """online needs WANDB_API_KEY in the environment (never stored or printed)."""
+    project: str = "del-megatron"
+    run_name: str | None = None
+    progress_bar: bool = True
+
+
+class RunConfig(_Section):
+    model: LlamaArchitecture
+    loss: NumericLossConfig = NumericLossConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig
+    data: DataSection
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+    output_dir: str = "runs/default"
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        tp = self.parallel.tensor_parallel
+        for field in ("num_attention_heads", "num_query_groups"):
+            if getattr(self.model, field) % tp:
+                raise ValueError(
+                    f"parallel.tensor_parallel={tp} must divide model.{field}="
+                    f"{getattr(self.model, field)}"
+                )
+        if self.train.seq_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"train.seq_len={self.train.seq_len} exceeds model.max_position_embeddings="
+                f"{self.model.max_position_embeddings}"
+            )
+        if self.train.global_batch_size % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.train.micro_batch_size}"
+            )
+        if self.parallel.sequence_parallel:
+            raise ValueError(
+                "parallel.sequence_parallel=true is not supported: DeepSpeed does not all-reduce "
+                "the layer-norm gradients across tensor-parallel ranks; set it to false"
+            )
+        if self.optim.min_lr > self.optim.lr:
+            raise ValueError(f"optim.min_lr={self.optim.min_lr} exceeds optim.lr={self.optim.lr}")
+        return self
+
+    # ---- derived --------------------------------------------------------------------------
+
+    def data_parallel_size(self, world_size: int) -> int:
+        tp = self.parallel.tensor_parallel
+        if world_size % tp:
+            raise ConfigError(
+                f"world size {world_size} is not a multiple of parallel.tensor_parallel={tp} "
+                "(world size = tensor parallel x data parallel)"
+            )
+        return world_size // tp
+
+    def accumulation_steps(self, world_size: int) -> int:
+        dp = self.data_parallel_size(world_size)
+        per_step = self.train.micro_batch_size * dp
+        if self.train.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={self.train.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size x data parallel = {self.train.micro_batch_size} x {dp}"
+            )
+        return self.train.global_batch_size // per_step
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int, *, bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed JSON of a run (generated, so it cannot disagree with the run config)."""
+    return {
+        "train_batch_size": cfg.train.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": cfg.accumulation_steps(world_size),
+        "gradient_clipping": cfg.optim.clip_grad,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.optim.lr,
+                "betas": [cfg.optim.beta1, cfg.optim.beta2],
+                "eps": cfg.optim.eps,
+                "weight_decay": cfg.optim.weight_decay,
+                "torch_adam": True,
+            },
+        },
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+
+def _apply_override(tree: dict[str, Any], assignment: str) -> None:
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {assignment!r} is not of the form section.field=value")
+    value = yaml.safe_load(raw) if raw else ""
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        return f"{where}: unknown field"
+    if first["type"] == "missing":
+        return f"{where}: required field missing"
+    if where == "config" or message.startswith(("parallel.", "train.", "optim.", "model.")):
+        return message
+    return f"{where}: {message} (got {first.get('input')!r})"
+
+
+def parse_run_config(tree: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
+    tree = yaml.safe_load(yaml.safe_dump(tree))  # deep copy, plain types
+    for assignment in overrides:
+        _apply_override(tree, assignment)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None
+
+
+def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections")
+    return parse_run_config(tree, overrides)
+
+
+def dump_run_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,1 @@
+"""The training loop: megatron-core model, DeepSpeed engine, numeric loss, metrics, eval."""

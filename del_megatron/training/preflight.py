@@ -1,0 +1,64 @@
+"""Checks of a run against its environment, before anything starts: world size, device,
+tokenizer, data manifests. Each failure is a ConfigError with one line."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..config import ConfigError, RunConfig
+from ..data import DataError
+from ..data.loader import load_manifests
+from ..losses.vocab import TokenizerError
+from ..models.device import resolve_device
+
+
+def preflight(cfg: RunConfig, world_size: int | None = None) -> dict[str, Any]:
+    """The resolved parallel layout; raises ConfigError naming the first problem."""
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    dp = cfg.data_parallel_size(world)
+    accumulation = cfg.accumulation_steps(world)
+    try:
+        device = resolve_device(cfg.train.device)
+    except ValueError as err:
+        raise ConfigError(f"train.device: {err}") from None
+    from ..tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer(cfg.data.tokenizer)
+        fingerprint = tokenizer.fingerprint  # builds the DigitVocab: refuses merged digits
+    except TokenizerError as err:
+        raise ConfigError(f"data.tokenizer: {err}") from None
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+            f"tokenizer's {tokenizer.vocab_size} tokens ({cfg.data.tokenizer})"
+        )
+    from ..data import DataConfig
+
+    for section, sources in (
+        ("data.sources", cfg.data.sources),
+        ("eval.sources", cfg.eval.sources),
+    ):
+        if not sources:
+            continue
+        probe = DataConfig(
+            sources=sources,
+            seq_len=cfg.train.seq_len,
+            micro_batch_size=cfg.train.micro_batch_size,
+            allow_pipe=cfg.data.allow_pipe,
+        )
+        try:
+            load_manifests(probe, fingerprint)
+        except DataError as err:
+            raise ConfigError(f"{section}: {err}") from None
+    return {
+        "world_size": world,
+        "tensor_parallel": cfg.parallel.tensor_parallel,
+        "data_parallel": dp,
+        "gradient_accumulation": accumulation,
+        "zero_stage": cfg.parallel.zero_stage,
+        "device": device.type,
+        "padded_vocab_size": cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel),
+        "tokenizer": fingerprint,
+    }

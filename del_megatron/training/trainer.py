@@ -1,0 +1,318 @@
+"""The training loop, top to bottom: shard -> batch -> model -> logits -> loss -> step.
+
+A plain loop (forward, loss hook, engine.backward, engine.step) around a DeepSpeed engine.
+Megatron-core's pipeline schedules call torch.autograd.backward themselves and would bypass
+the engine, so there is no pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, RunConfig, deepspeed_config, dump_run_config
+from ..data import DataConfig, StreamingLoader
+from ..models.device import recompute_overrides, resolve_device, select_accelerator
+from .metrics import PairSum, WandbSink, console_line
+from .schedule import lr_factor
+
+# bf16 dense peak per GPU, for MFU
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+BatchSource = Callable[[int, int], dict[str, torch.Tensor]]  # (step, micro) -> batch
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)  # global loss of each step
+    eval_before: dict[str, float] | None = None
+    eval_after: dict[str, float] | None = None
+    checkpoint: str | None = None
+
+
+@dataclass
+class Run:
+    """What the loop works with, built once by `setup`."""
+
+    cfg: RunConfig
+    device: torch.device
+    rank: int
+    world: int
+    dp_rank: int
+    dp_size: int
+    accumulation: int
+    engine: Any
+    scheduler: Any
+    tokenizer: Any
+    flops_per_token: float = 0.0
+
+    @property
+    def dp_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(cfg: RunConfig) -> Run:
+    device = resolve_device(cfg.train.device)
+    select_accelerator(device)
+    from megatron.core import parallel_state, tensor_parallel
+
+    from ..models import build_llama
+    from ..parallel import MegatronMPU, init_distributed, init_model_parallel
+    from ..tokenizer import Tokenizer
+
+    rank, world = init_distributed(device)
+    dp_size = cfg.data_parallel_size(world)
+    accumulation = cfg.accumulation_steps(world)
+    init_model_parallel(cfg.parallel.tensor_parallel)
+    torch.manual_seed(cfg.train.seed)
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+
+    tokenizer = Tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+            f"tokenizer's {tokenizer.vocab_size} tokens"
+        )
+    model = build_llama(
+        cfg.model,
+        tokenizer.digit_vocab,
+        cfg.loss,
+        device,
+        **recompute_overrides(device, cfg.train.activation_checkpointing),
+    )
+
+    import deepspeed
+
+    steps, warmup = cfg.train.steps, int(cfg.optim.warmup_fraction * cfg.train.steps)
+    min_ratio = cfg.optim.min_lr / cfg.optim.lr
+
+    def scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, total=steps, warmup=warmup, min_ratio=min_ratio)
+        )
+
+    engine, _, _, lr_scheduler = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=deepspeed_config(cfg, world, bf16=device.type == "cuda"),
+        mpu=MegatronMPU(),
+        lr_scheduler=scheduler,
+    )
+    params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tensor_parallel
+    arch = cfg.model
+    flops = 6 * params + 12 * arch.num_layers * arch.hidden_size * cfg.train.seq_len
+    return Run(
+        cfg=cfg,
+        device=device,
+        rank=rank,
+        world=world,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=dp_size,
+        accumulation=accumulation,
+        engine=engine,
+        scheduler=lr_scheduler,
+        tokenizer=tokenizer,
+        flops_per_token=float(flops),
+    )
+
+
+def data_config(
+    cfg: RunConfig, sources, *, epochs: int | None = None, shuffle: bool | None = None
+) -> DataConfig:
+    d = cfg.data
+    return DataConfig(
+        sources=sources,
+        seq_len=cfg.train.seq_len,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seed=cfg.train.seed,
+        shuffle=d.shuffle if shuffle is None else shuffle,
+        mask_after_boundary=d.mask_after_boundary,
+        on_error=d.on_error,
+        allow_pipe=d.allow_pipe,
+        num_workers=d.num_workers if epochs is None else 0,
+        epochs=epochs,
+    )
+
+
+def _forward(run: Run, batch: dict[str, torch.Tensor]):
+    from ..models import loss_func
+
+    tokens = batch["tokens"].to(run.device)
+    labels = batch["labels"].to(run.device)
+    loss_mask = batch["loss_mask"].to(run.device)
+    positions = torch.arange(tokens.shape[1], device=run.device).expand_as(tokens)
+    per_token = run.engine(tokens, positions, None, labels=labels, loss_mask=loss_mask)
+    return loss_func(loss_mask, per_token)
+
+
+def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
+    """Loss and digit metrics on the held-out sources, one pass in file order."""
+    if not run.cfg.eval.sources:
+        return None
+    loader = StreamingLoader(
+        data_config(run.cfg, run.cfg.eval.sources, epochs=1, shuffle=False),
+        run.dp_rank,
+        run.dp_size,
+        fingerprint=run.tokenizer.fingerprint,
+        num_batches=max_batches,
+    )
+    totals = PairSum()
+    run.engine.eval()
+    with torch.no_grad():
+        for batch in loader:
+            totals.add(_forward(run, batch)[2])
+    run.engine.train()
+    values = totals.reduce(run.dp_group)
+    values["loss"] = values.pop("lm loss")
+    return values
+
+
+def train_steps(
+    run: Run,
+    batches: Iterator[dict[str, torch.Tensor]] | BatchSource,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> list[float]:
+    """Run cfg.train.steps optimizer steps; returns each step's global loss.
+
+    Each micro-batch's summed loss is divided by the tokens of the whole global batch (all
+    micro-batches of all data-parallel ranks), then multiplied back by what DeepSpeed divides
+    by (accumulation steps, data-parallel averaging): the step's gradient is that of
+    sum(loss) / tokens over the global batch, whatever the parallel layout.
+    """
+    cfg, engine = run.cfg, run.engine
+    losses = []
+    for step in range(cfg.train.steps):
+        start = time.perf_counter()
+        if callable(batches):
+            micro_batches = [batches(step, m) for m in range(run.accumulation)]
+        else:
+            micro_batches = [next(batches) for _ in range(run.accumulation)]
+        tokens = torch.stack([b["loss_mask"].sum() for b in micro_batches]).sum().double()
+        dist.all_reduce(tokens, group=run.dp_group)
+        scale = run.dp_size * run.accumulation / max(tokens.item(), 1.0)
+        totals = PairSum()
+        for batch in micro_batches:
+            loss_sum, _, report = _forward(run, batch)
+            engine.backward(loss_sum * scale)
+            engine.step()
+            totals.add(report)
+        values = totals.reduce(run.dp_group)
+        values["loss"] = values.pop("lm loss")
+        elapsed = time.perf_counter() - start
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is not None:
+            values["grad_norm"] = float(grad_norm)
+        values["lr"] = run.scheduler.get_last_lr()[0]
+        values["tokens_per_s"] = cfg.train.global_batch_size * cfg.train.seq_len / elapsed
+        if run.device.type == "cuda":
+            name = torch.cuda.get_device_name()
+            per_gpu = run.flops_per_token * values["tokens_per_s"] / run.world
+            values["tflops"] = per_gpu / 1e12
+            peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+            if peak:
+                values["mfu"] = per_gpu / peak
+        losses.append(values["loss"])
+        if on_step is not None:
+            on_step(step + 1, values)
+    return losses
+
+
+def save_checkpoint(run: Run, step: int, loader: StreamingLoader | None) -> str:
+    out = Path(run.cfg.output_dir) / "checkpoints"
+    tag = f"step-{step:07d}"
+    client = {"step": step}
+    run.engine.save_checkpoint(str(out), tag=tag, client_state=client)
+    if loader is not None:  # every data-parallel rank's loader position
+        states = [None] * run.world
+        dist.all_gather_object(states, loader.state_dict())
+        if run.is_main:
+            (out / tag / "data_state.json").write_text(json.dumps(states))
+    if run.is_main:
+        (out / tag / "run_config.yaml").write_text(dump_run_config(run.cfg))
+    dist.barrier()
+    return str(out / tag)
+
+
+def train(cfg: RunConfig, *, batches: BatchSource | None = None, save: bool = True) -> TrainResult:
+    """The whole run: setup, evaluation before, the steps, a checkpoint, evaluation after."""
+    from tqdm import tqdm
+
+    run = setup(cfg)
+    result = TrainResult()
+    loader = None
+    if batches is None:
+        loader = StreamingLoader(
+            data_config(cfg, cfg.data.sources),
+            run.dp_rank,
+            run.dp_size,
+            fingerprint=run.tokenizer.fingerprint,
+        )
+        source: Iterator | BatchSource = iter(loader)
+    else:
+        source = batches
+    sink = WandbSink(
+        cfg.logging.wandb if run.is_main else "disabled",
+        cfg.logging.project,
+        cfg.logging.run_name,
+        cfg.output_dir,
+        cfg.model_dump(mode="json"),
+    )
+    show_bar = run.is_main and cfg.logging.progress_bar and sys.stderr.isatty()
+    bar = tqdm(
+        total=cfg.train.steps,
+        disable=not show_bar,
+        desc="training",
+        unit="step",
+        dynamic_ncols=True,
+    )
+    result.eval_before = evaluate(run, cfg.eval.max_batches)
+
+    def on_step(step: int, values: dict[str, float]) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{values['loss']:.3f}", digit_acc=f"{values['digit_acc']:.3f}")
+        if (
+            cfg.train.eval_interval
+            and step % cfg.train.eval_interval == 0
+            and step < cfg.train.steps
+        ):
+            values.update(
+                {f"eval/{k}": v for k, v in (evaluate(run, cfg.eval.max_batches) or {}).items()}
+            )
+        if run.is_main:
+            sink.log(values, step)
+            if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
+                bar.write(console_line(step, cfg.train.steps, values))
+        if (
+            save
+            and cfg.train.save_interval
+            and step % cfg.train.save_interval == 0
+            and step < cfg.train.steps
+        ):
+            save_checkpoint(run, step, loader)
+
+    try:
+        result.losses = train_steps(run, source, on_step)
+    finally:
+        bar.close()
+    if save:
+        result.checkpoint = save_checkpoint(run, cfg.train.steps, loader)
+    result.eval_after = evaluate(run, cfg.eval.max_batches)
+    if result.eval_after is not None:
+        sink.log({f"eval/{k}": v for k, v in result.eval_after.items()}, cfg.train.steps)
+    sink.close()
+    return result
