@@ -26,6 +26,7 @@ class NumericLossGPTModel(GPTModel):
         self.loss_config = loss_config
         self._loss_mask: torch.Tensor | None = None
         self.emo_cost_embedding: torch.Tensor | None = None
+        self.last_numeric_stats: dict[str, torch.Tensor] | None = None
 
     def freeze_emo_cost_embedding(self) -> None:
         """Take EMO's cost embedding from the current output weights (this rank's rows).
@@ -57,23 +58,30 @@ class NumericLossGPTModel(GPTModel):
         )
         per_token = out.per_token
         setattr(per_token, STATS_ATTRIBUTE, out.stats)
+        # also kept here: wrappers may hand on a new tensor (DeepSpeed ZeRO-3 does)
+        self.last_numeric_stats = out.stats
         return per_token
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(
+    loss_mask: torch.Tensor,
+    output_tensor: torch.Tensor,
+    stats: dict[str, torch.Tensor] | None = None,
+):
     """megatron-core loss function: (loss sum, token count, report dict of [sum, count]).
 
     output_tensor: per-token losses [b, s] from NumericLossGPTModel. Report keys: 'lm loss'
     (the objective), 'ce', 'numeric', 'digit_acc', 'digit_cond_acc', 'digit_entropy',
     'digit_abs_error'; each value a 2-element tensor [sum, count] to be summed over
-    micro-batches and data-parallel ranks and divided.
+    micro-batches and data-parallel ranks and divided. stats: the model's
+    `last_numeric_stats`, for wrappers that do not hand on the model's own output tensor.
     """
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = {"lm loss": torch.stack([loss_sum.detach(), num_tokens.to(loss_sum.dtype)])}
-    stats = getattr(output_tensor, STATS_ATTRIBUTE, None)
+    stats = stats if stats is not None else getattr(output_tensor, STATS_ATTRIBUTE, None)
     if stats is not None:
         for name, (total, count) in report_pairs(stats).items():
             report[name] = torch.stack([total, count]).to(loss_sum.dtype)

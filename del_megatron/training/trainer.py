@@ -157,7 +157,7 @@ def _forward(run: Run, batch: dict[str, torch.Tensor]):
     loss_mask = batch["loss_mask"].to(run.device)
     positions = torch.arange(tokens.shape[1], device=run.device).expand_as(tokens)
     per_token = run.engine(tokens, positions, None, labels=labels, loss_mask=loss_mask)
-    return loss_func(loss_mask, per_token)
+    return loss_func(loss_mask, per_token, run.engine.module.last_numeric_stats)
 
 
 def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
