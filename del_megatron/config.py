@@ -156,8 +156,9 @@ class RunConfig(_Section):
         return self.train.global_batch_size // per_step
 
 
-def deepspeed_config(cfg: RunConfig, world_size: int, *, bf16: bool) -> dict[str, Any]:
-    """The DeepSpeed JSON of a run (generated, so it cannot disagree with the run config)."""
+def deepspeed_config(cfg: RunConfig, world_size: int, *, gpu: bool) -> dict[str, Any]:
+    """The DeepSpeed JSON of a run (generated, so it cannot disagree with the run config):
+    bf16 and DeepSpeed's fused AdamW on GPU, float32 and torch's AdamW on CPU."""
     return {
         "train_batch_size": cfg.train.global_batch_size,
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
@@ -171,10 +172,10 @@ def deepspeed_config(cfg: RunConfig, world_size: int, *, bf16: bool) -> dict[str
                 "betas": [cfg.optim.beta1, cfg.optim.beta2],
                 "eps": cfg.optim.eps,
                 "weight_decay": cfg.optim.weight_decay,
-                "torch_adam": True,
+                "torch_adam": not gpu,
             },
         },
-        "bf16": {"enabled": bf16},
+        "bf16": {"enabled": gpu},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }

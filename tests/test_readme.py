@@ -27,10 +27,14 @@ def test_quick_start_has_one_bash_block_whose_test_line_ci_runs():
     section = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 1
-    lines = [line for line in blocks[0].splitlines() if line.strip()]
-    assert 1 <= len(lines) <= 2
+    lines = [line.strip() for line in blocks[0].splitlines() if line.strip()]
+    assert lines == ["bash launch/quickstart.sh", "bash launch/test.sh"]
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert lines[-1].strip() in ci_lines
+    assert ci_lines[-1] == lines[1]  # CI ends with the README's test command
+    assert any(
+        line.endswith("launch/quickstart.sh train.steps=30 train.log_interval=10")
+        for line in ci_lines
+    )  # and runs a shortened main job first
 
 
 @pytest.mark.parametrize("index", range(len(_runnable_python_blocks())))

@@ -38,10 +38,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="validate, print the resolved config and parallel layout, exit",
     )
+    parser.add_argument(
+        "--deepspeed-json",
+        type=int,
+        metavar="WORLD_SIZE",
+        help="print the DeepSpeed config generated for this world size, exit",
+    )
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
     try:
         cfg = load_run_config(args.config, args.overrides)
+        if args.deepspeed_json:
+            from ..config import deepspeed_config
+
+            gpu = cfg.train.device != "cpu"
+            print(json.dumps(deepspeed_config(cfg, args.deepspeed_json, gpu=gpu), indent=2))
+            return 0
         from ..training.preflight import preflight
 
         layout = preflight(cfg)

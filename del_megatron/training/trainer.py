@@ -109,7 +109,7 @@ def setup(cfg: RunConfig) -> Run:
     engine, _, _, lr_scheduler = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=deepspeed_config(cfg, world, bf16=device.type == "cuda"),
+        config=deepspeed_config(cfg, world, gpu=device.type == "cuda"),
         mpu=MegatronMPU(),
         lr_scheduler=scheduler,
     )

@@ -1,4 +1,4 @@
-"""Spawn a worker script under torchrun (gloo, CPU) and fail with its output if it fails."""
+"""Spawn a worker under torchrun (gloo, CPU) and fail with its errors if it fails."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def free_port() -> int:
 
 
 def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600) -> str:
-    """Run tests/distributed/workers/<worker> on `nproc` processes; return its output."""
+    """Run tests/distributed/workers/<worker>, or a module given as '-m name', on `nproc`
+    processes; return the output."""
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",
@@ -27,6 +28,7 @@ def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600) -> s
         PYTHONUNBUFFERED="1",
         PYTHONWARNINGS="ignore::UserWarning",
     )
+    target = ["-m", worker[3:]] if worker.startswith("-m ") else [str(WORKERS / worker)]
     cmd = [
         sys.executable,
         "-m",
@@ -34,7 +36,7 @@ def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600) -> s
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        str(WORKERS / worker),
+        *target,
         *args,
     ]
     proc = subprocess.run(
@@ -42,7 +44,8 @@ def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600) -> s
     )
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
+        errors = "\n".join(line for line in output.splitlines() if "rror" in line)[-3000:]
         raise AssertionError(
-            f"{worker} on {nproc} ranks exited {proc.returncode}:\n{output[-6000:]}"
+            f"{worker} on {nproc} ranks exited {proc.returncode}:\n{errors}\n...\n{output[-4000:]}"
         )
     return output

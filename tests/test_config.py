@@ -1,0 +1,178 @@
+"""The run config: ≥15 distinct mistakes, each one line naming the field and exit status 2;
+--dry-run on a valid config; the committed DeepSpeed JSON files are the generated ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from data_tools.build import build_shards
+from del_megatron.cli.train import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def valid(tmp_path, synth_tokenizer, synth_shards) -> Path:
+    tree = yaml.safe_load((ROOT / "configs" / "tiny_cpu.yaml").read_text())
+    tree["data"]["tokenizer"] = str(synth_tokenizer)
+    tree["data"]["sources"] = [{"manifest": str(synth_shards)}]
+    tree["eval"]["sources"] = [{"manifest": str(synth_shards)}]
+    tree["output_dir"] = str(tmp_path / "run")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def run(capsys, *argv, world: int = 2, monkeypatch=None) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_dry_run_prints_resolved_config_and_layout(valid, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code, out, err = run(capsys, "--config", str(valid), "--dry-run", "optim.lr=1e-3")
+    assert code == 0, err
+    layout = json.loads(out.split("# layout: ", 1)[1])
+    assert layout["data_parallel"] == 2 and layout["tensor_parallel"] == 2
+    assert layout["gradient_accumulation"] == 1
+    assert yaml.safe_load(out.split("# layout", 1)[0])["optim"]["lr"] == 1e-3
+
+
+MISTAKES = [
+    # (overrides, WORLD_SIZE, expected text in the one line)
+    (["optim.lrr=1"], 2, "optim.lrr: unknown field"),
+    (["trainer.steps=3"], 2, "trainer: unknown field"),
+    (["optim.lr=-1"], 2, "optim.lr: Input should be greater than 0"),
+    (
+        ["parallel.tensor_parallel=3"],
+        3,
+        "parallel.tensor_parallel=3 must divide model.num_attention_heads=4",
+    ),
+    (
+        ["parallel.tensor_parallel=4"],
+        4,
+        "parallel.tensor_parallel=4 must divide model.num_query_groups=2",
+    ),
+    ([], 3, "world size 3 is not a multiple of parallel.tensor_parallel=2"),
+    (
+        ["train.global_batch_size=24"],
+        4,
+        "train.global_batch_size=24 is not a multiple of train.micro_batch_size x data parallel = 8 x 2",
+    ),
+    (
+        ["train.global_batch_size=12"],
+        2,
+        "train.global_batch_size=12 is not a multiple of train.micro_batch_size=8",
+    ),
+    (["train.seq_len=1024"], 2, "train.seq_len=1024 exceeds model.max_position_embeddings=256"),
+    (["loss.kind=focal"], 2, "loss.kind: Input should be"),
+    (
+        ["loss.kind=ntl_was", "loss.include_decimal_point=true"],
+        2,
+        "include_decimal_point=True needs kind='del'",
+    ),
+    (["parallel.zero_stage=4"], 2, "parallel.zero_stage: Input should be"),
+    (["parallel.sequence_parallel=true"], 2, "parallel.sequence_parallel=true is not supported"),
+    (["optim.min_lr=1"], 2, "optim.min_lr=1.0 exceeds optim.lr=0.003"),
+    (["train.device=cuda"], 2, "train.device: device 'cuda' was requested but no CUDA device"),
+    (
+        ["data.tokenizer=/nope/tokenizer.model"],
+        2,
+        "data.tokenizer: tokenizer not found: /nope/tokenizer.model",
+    ),
+    (["model.vocab_size=512"], 2, "model.vocab_size=512 is smaller than the tokenizer's"),
+    (
+        ["data.sources=[{manifest: /nope/manifest.json}]"],
+        2,
+        "data.sources: /nope/manifest.json: no such file",
+    ),
+    (
+        ["eval.sources=[{manifest: /nope/heldout.json}]"],
+        2,
+        "eval.sources: /nope/heldout.json: no such file",
+    ),
+    (
+        ["data.sources=[{manifest: m.json, weight: 0}]"],
+        2,
+        "data.sources.0.weight: Input should be greater than 0",
+    ),
+    (["optim.lr"], 2, "override 'optim.lr' is not of the form section.field=value"),
+    (["train.steps=ten"], 2, "train.steps: Input should be a valid integer"),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "expected"), MISTAKES, ids=[m[2].split(":")[0][:40] for m in MISTAKES]
+)
+def test_mistake_gives_one_line_and_exit_2(valid, capsys, monkeypatch, overrides, world, expected):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    code, out, err = run(capsys, "--config", str(valid), "--dry-run", *overrides)
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert expected in err, err
+
+
+def test_file_mistakes(
+    tmp_path, capsys, valid, spm_merged_digits, spm_split_digits, synth_corpus, monkeypatch
+):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, err = run(capsys, "--config", str(tmp_path / "missing.yaml"))
+    assert code == 2 and "config file not found" in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    code, _, err = run(capsys, "--config", str(broken))
+    assert code == 2 and "broken.yaml line" in err and "not valid YAML" in err
+    # a tokenizer that merges digits
+    code, _, err = run(
+        capsys, "--config", str(valid), "--dry-run", f"data.tokenizer={spm_merged_digits}"
+    )
+    assert code == 2 and "data.tokenizer: tokenizer merges digits" in err
+    # shards built with another tokenizer than the run's
+    other = build_shards(
+        [synth_corpus / "heldout.jsonl"], tmp_path / "other", spm_split_digits, progress=False
+    )
+    assert other.documents == 50
+    code, _, err = run(
+        capsys,
+        "--config",
+        str(valid),
+        "--dry-run",
+        f"data.sources=[{{manifest: {tmp_path / 'other' / 'manifest.json'}}}]",
+    )
+    assert code == 2 and "rebuild the shards with the training tokenizer" in err
+
+
+def test_committed_deepspeed_json_is_generated(capsys):
+    for zero in (1, 2, 3):
+        code, out, _ = run(
+            capsys,
+            "--config",
+            str(ROOT / "configs" / "mistral_7b.yaml"),
+            "--deepspeed-json",
+            "8",
+            f"parallel.zero_stage={zero}",
+        )
+        assert code == 0
+        committed = (ROOT / "configs" / "deepspeed" / f"mistral_7b_zero{zero}.json").read_text()
+        assert json.loads(out) == json.loads(committed)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["tiny_cpu", "llama2_7b", "codellama_7b", "mistral_7b", "qwen2.5_7b", "deepseek_math_7b"],
+)
+def test_shipped_configs_validate(name):
+    from del_megatron.config import load_run_config
+
+    cfg = load_run_config(ROOT / "configs" / f"{name}.yaml")
+    expected_alpha = 0.01 if name.startswith(("qwen", "deepseek")) else 0.1
+    assert cfg.loss.kind == "del" and cfg.loss.alpha == expected_alpha
+    if name == "codellama_7b" or name == "llama2_7b":
+        assert cfg.optim.lr == 2e-5
+    elif name != "tiny_cpu":
+        assert cfg.optim.lr == 5e-6
