@@ -62,7 +62,8 @@ MISTAKES = [
     (
         ["train.global_batch_size=24"],
         4,
-        "train.global_batch_size=24 is not a multiple of train.micro_batch_size x data parallel = 8 x 2",
+        "train.global_batch_size=24 is not a multiple of train.micro_batch_size x data "
+        "parallel = 8 x 2",
     ),
     (
         ["train.global_batch_size=12"],
@@ -111,7 +112,7 @@ MISTAKES = [
 )
 def test_mistake_gives_one_line_and_exit_2(valid, capsys, monkeypatch, overrides, world, expected):
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    code, out, err = run(capsys, "--config", str(valid), "--dry-run", *overrides)
+    code, _, err = run(capsys, "--config", str(valid), "--dry-run", *overrides)
     assert code == 2
     assert err.count("\n") == 1 and "Traceback" not in err
     assert expected in err, err
