@@ -186,8 +186,9 @@ def train_steps(
     run: Run,
     batches: Iterator[dict[str, torch.Tensor]] | BatchSource,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    steps: int | None = None,
 ) -> list[float]:
-    """Run cfg.train.steps optimizer steps; returns each step's global loss.
+    """Run `steps` (default cfg.train.steps) optimizer steps; returns each step's loss.
 
     Each micro-batch's summed loss is divided by the tokens of the whole global batch (all
     micro-batches of all data-parallel ranks), then multiplied back by what DeepSpeed divides
@@ -196,7 +197,7 @@ def train_steps(
     """
     cfg, engine = run.cfg, run.engine
     losses = []
-    for step in range(cfg.train.steps):
+    for step in range(cfg.train.steps if steps is None else steps):
         start = time.perf_counter()
         if callable(batches):
             micro_batches = [batches(step, m) for m in range(run.accumulation)]

@@ -1,0 +1,137 @@
+"""Training step time with kind="del" over kind="mle", side by side in one run.
+
+    torchrun --nproc_per_node=2 bench/train_step.py              # tiny CPU model, TP 2
+    python bench/train_step.py --gpu-7b                          # 4-layer Llama-2-7B widths, GPU
+
+One engine, one model; the loss kind is switched between alternating steps (the hook reads
+model.loss_config at every call), so everything else is identical. Prints the median step
+time of each and the ratio; on GPU also tokens/s and MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def tokenizer_path(root: Path) -> Path:
+    from data_tools.synth import write_corpus
+    from data_tools.tokenizer_train import train_tokenizer
+
+    train, _ = write_corpus(root / "corpus", documents=1500, heldout=1, seed=0)
+    return train_tokenizer([train], root / "tokenizer.model", vocab_size=1000)
+
+
+def run_config(tokenizer: Path, gpu_7b: bool):
+    from del_megatron.config import parse_run_config
+
+    tree = {
+        "model": {
+            "vocab_size": 1024,
+            "hidden_size": 128,
+            "ffn_hidden_size": 352,
+            "num_layers": 4,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "max_position_embeddings": 256,
+            "make_vocab_size_divisible_by": 64,
+        },
+        "parallel": {"tensor_parallel": 2, "zero_stage": 1},
+        "optim": {"lr": 1e-3},
+        "train": {
+            "steps": 1,
+            "micro_batch_size": 8,
+            "global_batch_size": 16,
+            "seq_len": 128,
+            "device": "cpu",
+        },
+        "data": {"tokenizer": str(tokenizer), "sources": [{"manifest": "unused.json"}]},
+        "logging": {"wandb": "disabled", "progress_bar": False},
+        "output_dir": "/tmp/del-bench-train-step",
+    }
+    if gpu_7b:  # Llama-2-7B widths, 4 layers, 32000 tokens, sequence 4096, bf16, TP 1
+        tree["model"] = {
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "ffn_hidden_size": 11008,
+            "num_layers": 4,
+            "num_attention_heads": 32,
+            "num_query_groups": 32,
+            "max_position_embeddings": 4096,
+        }
+        tree["parallel"] = {"tensor_parallel": 1, "zero_stage": 1}
+        tree["train"] = {
+            "steps": 1,
+            "micro_batch_size": 1,
+            "global_batch_size": 4,
+            "seq_len": 4096,
+            "device": "cuda",
+            "activation_checkpointing": False,
+        }
+    return parse_run_config(tree)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu-7b", action="store_true")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps of each kind")
+    args = parser.parse_args()
+
+    from del_megatron.losses import NumericLossConfig
+    from del_megatron.training.trainer import setup, train_steps
+
+    root = Path(tempfile.mkdtemp(prefix="del-bench-step-"))
+    cfg = run_config(tokenizer_path(root), args.gpu_7b)
+    run = setup(cfg)
+    digits = torch.tensor([ids[0] for ids in run.tokenizer.digit_vocab.digit_ids])
+    gen = torch.Generator().manual_seed(0)
+    b, s = cfg.train.micro_batch_size, cfg.train.seq_len
+
+    def batch(step: int, micro: int):
+        window = torch.randint(3, 900, (b, s + 1), generator=gen)
+        is_digit = torch.rand(window.shape, generator=gen) < 0.15
+        window = torch.where(
+            is_digit, digits[torch.randint(10, window.shape, generator=gen)], window
+        )
+        return {"tokens": window[:, :-1], "labels": window[:, 1:], "loss_mask": torch.ones(b, s)}
+
+    kinds = {"mle": NumericLossConfig(kind="mle"), "del": NumericLossConfig(kind="del")}
+    model = run.engine.module
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(2 * (args.steps + 2)):
+        kind = ("del", "mle")[(i + i // 2) % 2]  # ABBA order: no kind always goes first
+        model.loss_config = kinds[kind]
+        sync = torch.cuda.synchronize if run.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        values: dict[str, float] = {}
+        train_steps(run, batch, on_step=lambda _, v, out=values: out.update(v), steps=1)
+        sync()
+        if i >= 4:  # warm-up
+            times[kind].append(time.perf_counter() - start)
+            rates[kind].append(values.get("mfu", float("nan")))
+    if run.is_main:
+        base = statistics.median(times["mle"])
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        print(
+            f"{'GPU 4-layer Llama-2-7B widths' if args.gpu_7b else 'tiny CPU model'}, "
+            f"TP {cfg.parallel.tensor_parallel}, DP {run.dp_size}, {tokens} tokens a step"
+        )
+        print(f"{'kind':6s} {'step ms':>9s} {'ratio':>7s} {'tokens/s':>10s} {'MFU':>6s}")
+        for kind in ("mle", "del"):
+            median = statistics.median(times[kind])
+            mfu = statistics.median(rates[kind])
+            print(
+                f"{kind:6s} {median * 1e3:9.1f} {median / base:6.3f}x {tokens / median:10.0f} "
+                f"{mfu:6.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
