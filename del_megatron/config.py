@@ -68,6 +68,8 @@ class TrainConfig(_Section):
     """Evaluate on eval.sources every this many steps (0: only before and after)."""
     save_interval: int = Field(default=0, ge=0)
     """Checkpoint every this many steps (0: only at the end)."""
+    keep_checkpoints: int = Field(default=3, ge=0)
+    """Keep the newest this many checkpoints (0: all)."""
 
 
 class DataSection(_Section):

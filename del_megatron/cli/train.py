@@ -13,6 +13,7 @@ import sys
 from ..config import ConfigError, dump_run_config, load_run_config
 from ..data import DataError
 from ..losses.vocab import TokenizerError
+from ..training.checkpoint import CheckpointError
 
 
 def final_table(before: dict[str, float] | None, after: dict[str, float] | None) -> str:
@@ -44,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="WORLD_SIZE",
         help="print the DeepSpeed config generated for this world size, exit",
     )
+    parser.add_argument(
+        "--resume",
+        default="none",
+        help="'auto' (the newest complete checkpoint in output_dir, if any), a checkpoint "
+        "directory, or 'none' (the default)",
+    )
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
     try:
@@ -63,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from ..training.trainer import train
 
-        result = train(cfg)
-    except (ConfigError, DataError, TokenizerError) as err:
+        result = train(cfg, resume=args.resume)
+    except (ConfigError, DataError, TokenizerError, CheckpointError) as err:
         print(f"del-train: error: {err}", file=sys.stderr)
         return 2
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if (not dist.is_initialized() or dist.get_rank() == 0) and result.eval_after is not None:
         print(final_table(result.eval_before, result.eval_after))
         if result.checkpoint:
             print(f"checkpoint: {result.checkpoint}")

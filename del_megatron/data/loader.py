@@ -132,6 +132,7 @@ class StreamingLoader:
         self.consumed = 0  # batches handed to the caller
         self.offset = 0  # logical worker of the next batch
         self.worker_states: dict[int, dict[str, Any]] = {}
+        self.start_epoch = 0  # set by consume_elsewhere
         self.batch_limit = self._batches_per_worker()
 
     # ---- plan -------------------------------------------------------------------------
@@ -143,7 +144,26 @@ class StreamingLoader:
         stream = build_slot_stream(self.cfg, self.manifests, self.slot(logical_worker), self.slots)
         if logical_worker in self.worker_states:
             stream.load_state_dict(self.worker_states[logical_worker])
+        elif self.start_epoch:
+            for reader in stream.readers:
+                reader.position.epoch = self.start_epoch
         return stream
+
+    def consume_elsewhere(self, states: list[dict[str, Any]], consumed_batches: int) -> None:
+        """Continue from states saved with another data-parallel size or worker count.
+
+        Positions do not map between layouts, so the stream resumes at the start of the
+        epoch after the furthest one any saved slot had reached: nothing is read twice; the
+        rest of the interrupted epoch is skipped.
+        """
+        furthest = 0
+        for state in states:
+            for worker in (state or {}).get("workers", {}).values():
+                furthest = max([furthest, *(r["epoch"] for r in worker["readers"])])
+        self.start_epoch = furthest + 1
+        self.worker_states = {}
+        self.consumed = 0
+        self.offset = 0
 
     def _batches_per_worker(self) -> int | None:
         """With finite epochs: the most batches any slot of any rank needs (all pad to it)."""

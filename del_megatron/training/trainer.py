@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, RunConfig, deepspeed_config, dump_run_config
+from ..config import ConfigError, RunConfig, deepspeed_config
 from ..data import DataConfig, StreamingLoader
 from ..models.device import recompute_overrides, resolve_device, select_accelerator
 from .metrics import PairSum, WandbSink, console_line
@@ -185,8 +185,9 @@ def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
 def train_steps(
     run: Run,
     batches: Iterator[dict[str, torch.Tensor]] | BatchSource,
-    on_step: Callable[[int, dict[str, float]], None] | None = None,
+    on_step: Callable[[int, dict[str, float]], bool | None] | None = None,
     steps: int | None = None,
+    first_step: int = 0,
 ) -> list[float]:
     """Run `steps` (default cfg.train.steps) optimizer steps; returns each step's loss.
 
@@ -197,7 +198,8 @@ def train_steps(
     """
     cfg, engine = run.cfg, run.engine
     losses = []
-    for step in range(cfg.train.steps if steps is None else steps):
+    last = cfg.train.steps if steps is None else first_step + steps
+    for step in range(first_step, last):
         start = time.perf_counter()
         if callable(batches):
             micro_batches = [batches(step, m) for m in range(run.accumulation)]
@@ -228,30 +230,50 @@ def train_steps(
             if peak:
                 values["mfu"] = per_gpu / peak
         losses.append(values["loss"])
-        if on_step is not None:
-            on_step(step + 1, values)
+        if on_step is not None and on_step(step + 1, values):
+            break  # asked to stop (a signal)
     return losses
 
 
-def save_checkpoint(run: Run, step: int, loader: StreamingLoader | None) -> str:
-    out = Path(run.cfg.output_dir) / "checkpoints"
-    tag = f"step-{step:07d}"
-    client = {"step": step}
-    run.engine.save_checkpoint(str(out), tag=tag, client_state=client)
-    if loader is not None:  # every data-parallel rank's loader position
-        states = [None] * run.world
-        dist.all_gather_object(states, loader.state_dict())
-        if run.is_main:
-            (out / tag / "data_state.json").write_text(json.dumps(states))
-    if run.is_main:
-        (out / tag / "run_config.yaml").write_text(dump_run_config(run.cfg))
-    dist.barrier()
-    return str(out / tag)
+class StopRequest:
+    """SIGTERM / SIGUSR1 (preemption, a scheduler's warning) ask the run to stop cleanly: the
+    handler only sets a flag; after each step the ranks agree (one all-reduce MAX) and every
+    rank saves the checkpoint and returns. A second signal during the save changes nothing."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self) -> None:
+        import signal
+
+        self.requested = False
+        self._previous = {}
+        for name in self.SIGNALS:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
-def train(cfg: RunConfig, *, batches: BatchSource | None = None, save: bool = True) -> TrainResult:
-    """The whole run: setup, evaluation before, the steps, a checkpoint, evaluation after."""
+def train(
+    cfg: RunConfig, *, batches: BatchSource | None = None, save: bool = True, resume: str = "none"
+) -> TrainResult:
+    """The whole run: setup, resume, evaluation before, the steps, checkpoints, evaluation
+    after. resume: 'none', 'auto' (the newest complete checkpoint, if any) or a directory."""
     from tqdm import tqdm
+
+    from . import checkpoint
 
     run = setup(cfg)
     result = TrainResult()
@@ -263,9 +285,15 @@ def train(cfg: RunConfig, *, batches: BatchSource | None = None, save: bool = Tr
             run.dp_size,
             fingerprint=run.tokenizer.fingerprint,
         )
-        source: Iterator | BatchSource = iter(loader)
-    else:
-        source = batches
+    start = 0
+    path = checkpoint.resolve(resume, cfg.output_dir)
+    if run.is_main:
+        checkpoint.remove_partial(cfg.output_dir)
+    if path is not None:
+        start = checkpoint.load(run, path, loader)
+        if run.is_main:
+            print(f"resumed from {path} at step {start}", flush=True)
+    source: Iterator | BatchSource = iter(loader) if loader is not None else batches
     sink = WandbSink(
         cfg.logging.wandb if run.is_main else "disabled",
         cfg.logging.project,
@@ -276,42 +304,59 @@ def train(cfg: RunConfig, *, batches: BatchSource | None = None, save: bool = Tr
     show_bar = run.is_main and cfg.logging.progress_bar and sys.stderr.isatty()
     bar = tqdm(
         total=cfg.train.steps,
+        initial=start,
         disable=not show_bar,
         desc="training",
         unit="step",
         dynamic_ncols=True,
     )
-    result.eval_before = evaluate(run, cfg.eval.max_batches)
+    metrics_file = Path(cfg.output_dir) / "metrics.jsonl"
+    if run.is_main:
+        metrics_file.parent.mkdir(parents=True, exist_ok=True)
+    stop = StopRequest()
+    result.eval_before = evaluate(run, cfg.eval.max_batches) if start == 0 else None
 
-    def on_step(step: int, values: dict[str, float]) -> None:
+    def keep(step: int) -> None:
+        if save:
+            result.checkpoint = str(
+                checkpoint.save(run, step, loader, keep=cfg.train.keep_checkpoints)
+            )
+
+    def on_step(step: int, values: dict[str, float]) -> bool:
         bar.update(1)
         bar.set_postfix(loss=f"{values['loss']:.3f}", digit_acc=f"{values['digit_acc']:.3f}")
-        if (
-            cfg.train.eval_interval
-            and step % cfg.train.eval_interval == 0
-            and step < cfg.train.steps
-        ):
-            values.update(
-                {f"eval/{k}": v for k, v in (evaluate(run, cfg.eval.max_batches) or {}).items()}
-            )
+        interval = cfg.train.eval_interval
+        if interval and step % interval == 0 and step < cfg.train.steps:
+            extra = evaluate(run, cfg.eval.max_batches) or {}
+            values.update({f"eval/{k}": v for k, v in extra.items()})
         if run.is_main:
             sink.log(values, step)
+            with open(metrics_file, "a") as f:  # exact floats, one line a step
+                f.write(json.dumps({"step": step, **values}) + "\n")
             if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
                 bar.write(console_line(step, cfg.train.steps, values))
+        if stop.agreed(run.device):
+            keep(step)
+            if run.is_main:
+                bar.write(f"stop requested: checkpoint of step {step} saved, exiting")
+            return True
         if (
-            save
-            and cfg.train.save_interval
+            cfg.train.save_interval
             and step % cfg.train.save_interval == 0
             and step < cfg.train.steps
         ):
-            save_checkpoint(run, step, loader)
+            keep(step)
+        return False
 
     try:
-        result.losses = train_steps(run, source, on_step)
+        result.losses = train_steps(run, source, on_step, first_step=start)
     finally:
         bar.close()
-    if save:
-        result.checkpoint = save_checkpoint(run, cfg.train.steps, loader)
+        stop.restore()
+    if stop.requested:
+        sink.close()
+        return result
+    keep(cfg.train.steps)
     result.eval_after = evaluate(run, cfg.eval.max_batches)
     if result.eval_after is not None:
         sink.log({f"eval/{k}": v for k, v in result.eval_after.items()}, cfg.train.steps)

@@ -1,0 +1,194 @@
+"""Checkpoints that a crash cannot corrupt, and exact resume (layout: docs/checkpoints.md).
+
+Everything of a checkpoint is written under `checkpoints/.tmp-step-NNNNNNN/` and the
+directory is renamed to `step-NNNNNNN/` by rank 0 once every rank has finished: a directory
+with a final name is always complete, and a killed save leaves only a `.tmp-` directory that
+resume ignores (and removes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, dump_run_config
+from ..data import StreamingLoader
+
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+DEEPSPEED_TAG = "state"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the directory."""
+
+
+def root_of(output_dir: str) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def _versions() -> dict[str, str]:
+    import deepspeed
+    import megatron.core
+
+    from .. import __version__
+
+    return {
+        "del_megatron": __version__,
+        "torch": torch.__version__,
+        "megatron_core": megatron.core.__version__,
+        "deepspeed": deepspeed.__version__,
+    }
+
+
+def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> Path:
+    """Write a complete checkpoint of step `step` and keep the newest `keep`."""
+    root = root_of(run.cfg.output_dir)
+    name = f"{PREFIX}{step:07d}"
+    tmp, final = root / (TMP_PREFIX + name), root / name
+    if run.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    run.engine.save_checkpoint(
+        str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step}, save_latest=False
+    )
+    rng = tmp / "rng"
+    rng.mkdir(exist_ok=True)
+    torch.save(
+        {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if run.device.type == "cuda" else None,
+        },
+        rng / f"rank{run.rank:05d}.pt",
+    )
+    states = [None] * run.world
+    dist.all_gather_object(states, loader.state_dict() if loader is not None else None)
+    if run.is_main:
+        (tmp / "data_state.json").write_text(json.dumps(states))
+        (tmp / "run_config.yaml").write_text(dump_run_config(run.cfg))
+        meta = {
+            "step": step,
+            "world_size": run.world,
+            "data_parallel": run.dp_size,
+            "tensor_parallel": run.cfg.parallel.tensor_parallel,
+            "tokens": step * run.cfg.train.global_batch_size * run.cfg.train.seq_len,
+            "tokenizer": run.tokenizer.fingerprint,
+            "versions": _versions(),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    dist.barrier()
+    if run.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in complete_checkpoints(root)[:-keep] if keep else []:
+            # out of the final namespace first (atomic), then delete: a kill mid-delete
+            # leaves a .tmp- directory, never a half-deleted step-N
+            doomed = root / (TMP_PREFIX + "old-" + old.name)
+            os.replace(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(PREFIX) and (p / "meta.json").is_file()
+    )
+
+
+def resolve(resume: str, output_dir: str) -> Path | None:
+    """'none' -> None; 'auto' -> the newest complete checkpoint (None if there is none);
+    anything else is a checkpoint directory that must exist."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(root_of(output_dir))
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / "meta.json").is_file():
+        raise ConfigError(f"--resume {resume}: not a complete checkpoint directory (no meta.json)")
+    return path
+
+
+def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
+    """Restore model, optimizer, scheduler, RNG and this rank's loader; returns the step."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}/meta.json: unreadable ({err})") from None
+    if meta.get("tokenizer") != run.tokenizer.fingerprint:
+        raise CheckpointError(f"{path}: saved with another tokenizer than data.tokenizer")
+    if meta.get("tensor_parallel") != run.cfg.parallel.tensor_parallel:
+        raise CheckpointError(
+            f"{path}: saved at tensor parallel {meta.get('tensor_parallel')}, this run uses "
+            f"{run.cfg.parallel.tensor_parallel}"
+        )
+    same_layout = meta.get("data_parallel") == run.dp_size
+    try:
+        if same_layout:
+            loaded, _ = run.engine.load_checkpoint(
+                str(path),
+                tag=DEEPSPEED_TAG,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+                load_module_strict=True,
+            )
+        else:
+            # ZeRO's optimizer partitions are laid out for the saved data-parallel size and
+            # DeepSpeed cannot re-partition them: take the weights, restart the moments.
+            loaded, _ = run.engine.load_checkpoint(
+                str(path), tag=DEEPSPEED_TAG, load_module_only=True
+            )
+            refresh = getattr(run.engine.optimizer, "refresh_fp32_params", None)
+            if refresh is not None:
+                refresh()  # ZeRO 1/2 keep their own fp32 copy of the weights
+            for _ in range(int(meta["step"])):
+                run.scheduler.step()
+    except Exception as err:  # DeepSpeed raises whatever its torch.load or asserts raise
+        raise CheckpointError(
+            f"{path}: cannot load the model/optimizer state "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        ) from None
+    if loaded is None:
+        raise CheckpointError(f"{path}: no DeepSpeed state under tag '{DEEPSPEED_TAG}'")
+    if not same_layout and run.is_main:
+        print(
+            f"resuming at data-parallel size {run.dp_size} (saved at {meta.get('data_parallel')}):"
+            " weights and schedule restored, optimizer moments restarted, data continues at "
+            "the next epoch",
+            flush=True,
+        )
+    if meta.get("world_size") == run.world:
+        rng = torch.load(path / "rng" / f"rank{run.rank:05d}.pt", weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and run.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
+    if loader is not None:
+        states = json.loads((path / "data_state.json").read_text())
+        if same_layout:
+            loader.load_state_dict(states[run.rank])
+        else:
+            loader.consume_elsewhere(states, meta["step"] * run.cfg.train.global_batch_size)
+    return int(meta["step"])
+
+
+def remove_partial(output_dir: str) -> None:
+    """Drop directories of saves that never completed (rank 0)."""
+    root = root_of(output_dir)
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,220 @@
+"""Surviving failure (CPU, TP 2 on 2 processes): exact resume after SIGKILL, kills during a
+checkpoint write, SIGUSR1 saving and exiting 0, and resuming at another data-parallel size."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ..distributed.launcher import ROOT, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def command(out: Path, tokenizer, manifest, *extra: str, nproc: int = 2, tp: int = 2):
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "del_megatron.cli.train",
+        "--config",
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        f"data.tokenizer={tokenizer}",
+        f"data.sources=[{{manifest: {manifest}}}]",
+        "eval.sources=[]",
+        "train.steps=20",
+        "train.log_interval=5",
+        f"parallel.tensor_parallel={tp}",
+        "train.global_batch_size=16",
+        f"output_dir={out}",
+        "logging.wandb=disabled",
+        *extra,
+    ]
+
+
+def env():
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::UserWarning")
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
+    return e
+
+
+def run(cmd) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        cmd, env=env(), capture_output=True, text=True, cwd=ROOT, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def losses(out: Path) -> dict[int, float]:
+    """step -> loss; later lines (a resumed run) override earlier ones."""
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def start_and_wait(cmd, out: Path, *, step: int):
+    """Start a run; return the process once metrics.jsonl shows `step`."""
+    proc = subprocess.Popen(
+        cmd,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        path = out / "metrics.jsonl"
+        if path.is_file() and any(
+            json.loads(line)["step"] >= step for line in path.read_text().splitlines() if line
+        ):
+            return proc
+        if proc.poll() is not None:
+            raise AssertionError(proc.stderr.read().decode()[-3000:])
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the run did not reach the step in time")
+
+
+def kill_hard(proc) -> None:
+    """SIGKILL the launcher and every worker (torchrun starts workers in sessions of their
+    own, so killing its process group is not enough)."""
+    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in family:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(family, timeout=30)
+
+
+def test_exact_resume_after_sigkill(tmp_path, synth_tokenizer, synth_shards):
+    straight = tmp_path / "straight"
+    run(command(straight, synth_tokenizer, synth_shards))
+    interrupted = tmp_path / "interrupted"
+    cmd = command(interrupted, synth_tokenizer, synth_shards, "train.save_interval=10")
+    kill_hard(start_and_wait(cmd, interrupted, step=13))
+    assert (interrupted / "checkpoints" / "step-0000010" / "meta.json").is_file()
+    proc = run([*cmd, "--resume", "auto"])
+    assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
+    a, b = losses(straight), losses(interrupted)
+    for step in range(11, 21):
+        assert a[step] == b[step], (step, a[step], b[step])  # bit for bit
+
+
+def test_kills_during_checkpoint_writes_never_lose_the_last_good_one(
+    tmp_path, synth_tokenizer, synth_shards
+):
+    out = tmp_path / "run"
+    cmd = command(
+        out, synth_tokenizer, synth_shards, "train.save_interval=1", "train.keep_checkpoints=2"
+    )
+    for kill_after in (3, 6, 9):  # checkpoints are written after every step: kills land in saves
+        proc = start_and_wait([*cmd, "--resume", "auto"], out, step=kill_after)
+        time.sleep(0.15 * (kill_after % 4))
+        kill_hard(proc)
+        complete = sorted((out / "checkpoints").glob("step-*"))
+        assert complete, "no complete checkpoint"
+        for ckpt in complete:
+            assert (ckpt / "meta.json").is_file() and (ckpt / "data_state.json").is_file()
+    proc = run([*cmd, "--resume", "auto"])
+    assert "resumed from" in proc.stdout
+    assert max(losses(out)) == 20
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_sigusr1_saves_and_exits_zero_then_resume_continues(
+    tmp_path, synth_tokenizer, synth_shards
+):
+    out = tmp_path / "run"
+    cmd = command(out, synth_tokenizer, synth_shards, "train.steps=400")
+    proc = start_and_wait(cmd, out, step=4)
+    workers = psutil.Process(proc.pid).children(recursive=False)  # the two training ranks
+    assert len(workers) == 2
+    for worker in workers:
+        worker.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=300) == 0
+    saved = sorted((out / "checkpoints").glob("step-*"))
+    assert len(saved) == 1
+    stopped_at = int(saved[0].name.split("-")[1])
+    assert 4 <= stopped_at < 400
+    resumed = start_and_wait([*cmd, "--resume", "auto"], out, step=stopped_at + 2)
+    kill_hard(resumed)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[steps.index(stopped_at) + 1] == stopped_at + 1  # continues at the next step
+
+
+def test_resume_at_another_data_parallel_size(tmp_path, synth_tokenizer, synth_shards):
+    out = tmp_path / "run"
+    # TP 1: DP 2 on two processes, then DP 1 on one process, then DP 2 again
+    run(command(out, synth_tokenizer, synth_shards, "train.steps=6", tp=1))
+    proc = run(
+        [
+            *command(out, synth_tokenizer, synth_shards, "train.steps=10", nproc=1, tp=1),
+            "--resume",
+            "auto",
+        ]
+    )
+    assert "at step 6" in proc.stdout
+    proc = run(
+        [*command(out, synth_tokenizer, synth_shards, "train.steps=14", tp=1), "--resume", "auto"]
+    )
+    assert "at step 10" in proc.stdout
+    assert sorted(losses(out)) == list(range(1, 15))
+
+
+def test_bad_checkpoints_give_one_line_and_exit_non_zero(
+    tmp_path, synth_tokenizer, synth_shards, spm_split_digits, synth_corpus
+):
+    from data_tools.build import build_shards
+
+    out = tmp_path / "run"
+    base = command(out, synth_tokenizer, synth_shards, "train.steps=2")
+    run(base)
+    saved = out / "checkpoints" / "step-0000002"
+
+    def fails(cmd, expected):
+        proc = subprocess.run(
+            cmd, env=env(), capture_output=True, text=True, cwd=ROOT, timeout=600, check=False
+        )
+        assert proc.returncode != 0
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("del-train: error")]
+        assert lines and expected in lines[0], proc.stderr[-2000:]
+
+    fails(
+        [
+            *command(
+                out, synth_tokenizer, synth_shards, "train.steps=4", "model.ffn_hidden_size=256"
+            ),
+            "--resume",
+            str(saved),
+        ],
+        "cannot load the model/optimizer state",
+    )  # another architecture
+    other = tmp_path / "other-shards"
+    build_shards([synth_corpus / "heldout.jsonl"], other, spm_split_digits, progress=False)
+    fails(
+        [
+            *command(out, spm_split_digits, other / "manifest.json", "train.steps=4"),
+            "--resume",
+            str(saved),
+        ],
+        "saved with another tokenizer",
+    )
+    for state in saved.glob("state/*model_states.pt"):
+        state.write_bytes(state.read_bytes()[:100])  # corrupted
+    fails([*base, "train.steps=4", "--resume", str(saved)], "cannot load the model/optimizer state")
+    fails([*base, "--resume", str(tmp_path / "nowhere")], "not a complete checkpoint directory")
