@@ -73,14 +73,29 @@ class TrainConfig(_Section):
 
 
 class DataSection(_Section):
-    tokenizer: str
-    """sentencepiece .model or Hugging Face tokenizer.json / directory: the run's tokenizer."""
+    tokenizer: str | None = None
+    """sentencepiece .model or Hugging Face tokenizer.json / directory: the run's tokenizer.
+    Unset: the tokenizer shipped with init.hf / init.megatron."""
     sources: tuple[DataSource, ...] = Field(min_length=1)
     num_workers: int = Field(default=1, ge=0)
     shuffle: bool = True
     mask_after_boundary: bool = False
     on_error: Literal["skip", "fail"] = "fail"
     allow_pipe: bool = False
+
+
+class InitConfig(_Section):
+    hf: str | None = None
+    """Start from a Hugging Face checkpoint directory (config.json + safetensors); its
+    tokenizer becomes the run's unless data.tokenizer is set."""
+    megatron: str | None = None
+    """Start from a del-megatron weights directory (del-convert output or a checkpoint)."""
+
+    @model_validator(mode="after")
+    def _one(self) -> InitConfig:
+        if self.hf and self.megatron:
+            raise ValueError("init.hf and init.megatron are both set; choose one")
+        return self
 
 
 class EvalConfig(_Section):
@@ -104,6 +119,7 @@ class RunConfig(_Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig
     data: DataSection
+    init: InitConfig = InitConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     output_dir: str = "runs/default"
@@ -132,11 +148,30 @@ class RunConfig(_Section):
                 "parallel.sequence_parallel=true is not supported: DeepSpeed does not all-reduce "
                 "the layer-norm gradients across tensor-parallel ranks; set it to false"
             )
+        if self.data.tokenizer is None and not (self.init.hf or self.init.megatron):
+            raise ValueError(
+                "data.tokenizer: required field missing (or set init.hf / "
+                "init.megatron, whose tokenizer is then used)"
+            )
         if self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr={self.optim.min_lr} exceeds optim.lr={self.optim.lr}")
         return self
 
     # ---- derived --------------------------------------------------------------------------
+
+    def tokenizer_path(self) -> str:
+        """data.tokenizer, else the tokenizer shipped with the initial weights."""
+        if self.data.tokenizer:
+            return self.data.tokenizer
+        from .models.hf import tokenizer_in, weights_tokenizer
+
+        found = (
+            tokenizer_in(self.init.hf) if self.init.hf else weights_tokenizer(self.init.megatron)
+        )
+        if found is None:
+            where = self.init.hf or self.init.megatron
+            raise ConfigError(f"data.tokenizer is unset and {where} ships no tokenizer")
+        return str(found)
 
     def data_parallel_size(self, world_size: int) -> int:
         tp = self.parallel.tensor_parallel

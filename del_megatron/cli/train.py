@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
-    if (not dist.is_initialized() or dist.get_rank() == 0) and result.eval_after is not None:
-        print(final_table(result.eval_before, result.eval_after))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if result.eval_after is not None:
+            print(final_table(result.eval_before, result.eval_after))
         if result.checkpoint:
             print(f"checkpoint: {result.checkpoint}")
     return 0

@@ -309,7 +309,77 @@ def tokenizer_in(directory: str | Path) -> Path | None:
     return None
 
 
+# ---- tensor-parallel shards without a model (offline conversion) -------------------------
+
+# (partition dim, stride) of megatron-core's tensor-parallel parameters by name suffix; all
+# other parameters (norms) are replicated. tests/models check this against the attributes
+# megatron-core sets on a built model.
+PARTITIONS = {
+    "embedding.word_embeddings.weight": (0, 1),
+    "output_layer.weight": (0, 1),
+    "self_attention.linear_qkv.weight": (0, 1),
+    "self_attention.linear_qkv.bias": (0, 1),
+    "self_attention.linear_proj.weight": (1, 1),
+    "mlp.linear_fc1.weight": (0, 2),
+    "mlp.linear_fc2.weight": (1, 1),
+}
+
+
+def partition_of(name: str) -> tuple[int, int] | None:
+    for suffix, partition in PARTITIONS.items():
+        if name.endswith(suffix):
+            return partition
+    return None
+
+
+def shard_state(full: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """One tensor-parallel rank's part of a full state dict."""
+    out = {}
+    for name, tensor in full.items():
+        partition = partition_of(name)
+        if partition is None or world == 1:
+            out[name] = tensor
+            continue
+        dim, stride = partition
+        chunk = tensor.shape[dim] // (world * stride)
+        out[name] = torch.cat(torch.split(tensor, chunk, dim=dim)[rank::world], dim=dim)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def unshard_state(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The full state dict from every tensor-parallel rank's part (inverse of shard_state)."""
+    world = len(shards)
+    out = {}
+    for name in shards[0]:
+        partition = partition_of(name)
+        if partition is None or world == 1:
+            out[name] = shards[0][name]
+            continue
+        dim, stride = partition
+        chunks = [s[name].chunk(stride, dim=dim) for s in shards]
+        out[name] = torch.cat([chunks[r][k] for k in range(stride) for r in range(world)], dim=dim)
+    return out
+
+
 # ---- with a built model --------------------------------------------------------------------
+
+
+def renamed_for(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Norm names of `state` as `model`'s layer spec has them (local <-> Transformer Engine)."""
+    fused = layer_norms_fused(model)
+    pairs = [
+        ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+        ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+    ]
+    out = {}
+    for name, tensor in state.items():
+        for local, te in pairs:
+            if fused and name.endswith(local):
+                name = name[: -len(local)] + te
+            elif not fused and name.endswith(te):
+                name = name[: -len(te)] + local
+        out[name] = tensor
+    return out
 
 
 def load_into(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
@@ -320,6 +390,7 @@ def load_into(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
 
     rank = parallel_state.get_tensor_model_parallel_rank()
     world = parallel_state.get_tensor_model_parallel_world_size()
+    full = renamed_for(model, full)
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(full))
     if missing:
@@ -361,3 +432,62 @@ def gather_full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def layer_norms_fused(model: torch.nn.Module) -> bool:
     return any(n.endswith("linear_qkv.layer_norm_weight") for n, _ in model.named_parameters())
+
+
+# ---- the weights directory: per tensor-parallel rank safetensors -----------------------------
+
+WEIGHTS = "model"
+
+
+def write_weights(
+    directory: str | Path,
+    shards: list[dict[str, torch.Tensor]],
+    arch: LlamaArchitecture,
+    tokenizer: str | Path | None,
+) -> None:
+    """<directory>/model/tpNN.safetensors (one per tensor-parallel rank, megatron names,
+    local-spec norm names), arch.json, and the tokenizer file."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(directory) / WEIGHTS
+    out.mkdir(parents=True, exist_ok=True)
+    for rank, shard in enumerate(shards):
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in shard.items()},
+            str(out / f"tp{rank:02d}.safetensors"),
+        )
+    (out / "arch.json").write_text(arch.model_dump_json(indent=1))
+    if tokenizer is not None:
+        shutil.copy(tokenizer, out / Path(tokenizer).name)
+
+
+def read_weights(directory: str | Path) -> tuple[LlamaArchitecture, list[dict[str, torch.Tensor]]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    root = Path(directory) / WEIGHTS
+    arch_path = root / "arch.json"
+    if not arch_path.is_file():
+        raise ConversionError(f"{arch_path}: no such file (not a del-megatron weights directory)")
+    arch = LlamaArchitecture.model_validate_json(arch_path.read_text())
+    files = sorted(root.glob("tp*.safetensors"))
+    if not files:
+        raise ConversionError(f"{root}: no tpNN.safetensors files")
+    shards = []
+    for f in files:
+        try:
+            shards.append(load_file(str(f)))
+        except (SafetensorError, OSError) as err:
+            raise ConversionError(f"{f}: not a readable safetensors file ({err})") from None
+    return arch, shards
+
+
+def weights_tokenizer(directory: str | Path) -> Path | None:
+    root = Path(directory) / WEIGHTS
+    for pattern in ("tokenizer.json", "*.model"):
+        found = sorted(root.glob(pattern))
+        if found:
+            return found[0]
+    return None

@@ -25,7 +25,7 @@ def preflight(cfg: RunConfig, world_size: int | None = None) -> dict[str, Any]:
     from ..tokenizer import Tokenizer
 
     try:
-        tokenizer = Tokenizer(cfg.data.tokenizer)
+        tokenizer = Tokenizer(cfg.tokenizer_path())
         fingerprint = tokenizer.fingerprint  # builds the DigitVocab: refuses merged digits
     except TokenizerError as err:
         raise ConfigError(f"data.tokenizer: {err}") from None

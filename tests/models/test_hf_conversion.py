@@ -82,3 +82,110 @@ def test_bad_checkpoints_name_the_file(tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     with pytest.raises(ConversionError, match="model.safetensors: not a readable safetensors"):
         read_hf_checkpoint(tmp_path / "hf")
+
+
+def test_convert_cli_round_trip_is_identity(tmp_path):
+    from del_megatron.cli.convert import main as convert
+
+    hf = tiny_hf_model("qwen2", tmp_path / "hf")
+    assert (
+        convert(
+            [
+                "hf-to-megatron",
+                "--hf",
+                str(tmp_path / "hf"),
+                "--out",
+                str(tmp_path / "m"),
+                "--tp",
+                "2",
+                "--divisible-by",
+                "64",
+            ]
+        )
+        == 0
+    )
+    assert sorted(p.name for p in (tmp_path / "m" / "model").glob("*.safetensors")) == [
+        "tp00.safetensors",
+        "tp01.safetensors",
+    ]
+    assert (
+        convert(
+            [
+                "megatron-to-hf",
+                "--checkpoint",
+                str(tmp_path / "m"),
+                "--out",
+                str(tmp_path / "back"),
+                "--model-type",
+                "qwen2",
+            ]
+        )
+        == 0
+    )
+    _, back = read_hf_checkpoint(tmp_path / "back")
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(back[name], tensor), name
+    assert (
+        convert(
+            ["megatron-to-hf", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]
+        )
+        == 2
+    )
+
+
+@pytest.mark.slow
+def test_training_from_hf_weights_and_export(tmp_path, synth_tokenizer, synth_shards):
+    """init.hf: a transformers model (vocabulary of the run's tokenizer, which it ships)
+    trains 2 steps at TP 2 with a vanishing learning rate; the checkpoint's weights exported
+    with del-convert reload in transformers equal to the start."""
+    import shutil
+
+    import transformers
+
+    from del_megatron.cli.convert import main as convert
+
+    from ..distributed.launcher import ROOT
+
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    start = transformers.LlamaForCausalLM(config).float()
+    start.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    shutil.copy(synth_tokenizer, tmp_path / "hf" / "tokenizer.model")
+    out = run_torchrun(
+        "-m del_megatron.cli.train",
+        2,
+        "--config",
+        str(ROOT / "configs" / "tiny_cpu.yaml"),
+        "data.tokenizer=null",
+        f"init.hf={tmp_path / 'hf'}",
+        f"data.sources=[{{manifest: {synth_shards}}}]",
+        "eval.sources=[]",
+        "train.steps=2",
+        "optim.lr=1e-12",
+        "optim.min_lr=0",
+        "logging.wandb=disabled",
+        f"output_dir={tmp_path / 'run'}",
+    )
+    assert "checkpoint:" in out
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-0000002"
+    assert (
+        convert(
+            ["megatron-to-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "export")]
+        )
+        == 0
+    )
+    assert (tmp_path / "export" / "tokenizer.model").is_file()
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export").float()
+    original = start.state_dict()
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.allclose(tensor, original[name], atol=1e-6), name

@@ -40,6 +40,15 @@ def main() -> None:
     padded = arch.padded_vocab_size(world)
     full = hf_to_megatron(tensors, arch, padded, layer_norms_fused=layer_norms_fused(model))
     load_into(model, full)
+    from del_megatron.models.hf import partition_of
+
+    for name, param in model.named_parameters():  # the offline table agrees with megatron
+        expected = (
+            (param.partition_dim, getattr(param, "partition_stride", 1))
+            if getattr(param, "tensor_model_parallel", False)
+            else None
+        )
+        assert partition_of(name) == expected, (name, partition_of(name), expected)
 
     expected = torch.load(expected_path, weights_only=True)
     tokens = expected["tokens"]
