@@ -18,9 +18,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600) -> str:
-    """Run tests/distributed/workers/<worker>, or a module given as '-m name', on `nproc`
-    processes; return the output."""
+def torchrun_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",
@@ -28,8 +26,13 @@ def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600) -> s
         PYTHONUNBUFFERED="1",
         PYTHONWARNINGS="ignore::UserWarning",
     )
+    return env
+
+
+def torchrun_command(worker: str, nproc: int, *args: str) -> list[str]:
+    """tests/distributed/workers/<worker>, or a module given as '-m name', on `nproc` ranks."""
     target = ["-m", worker[3:]] if worker.startswith("-m ") else [str(WORKERS / worker)]
-    cmd = [
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -39,8 +42,18 @@ def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600) -> s
         *target,
         *args,
     ]
+
+
+def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600) -> str:
+    """Run a worker to completion; return its output, or fail with its errors."""
     proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False
+        torchrun_command(worker, nproc, *args),
+        env=torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        check=False,
     )
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:

@@ -4,31 +4,23 @@ checkpoint write, SIGUSR1 saving and exiting 0, and resuming at another data-par
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from ..distributed.launcher import ROOT, free_port
+from ..distributed.launcher import ROOT, torchrun_command, torchrun_env
 
 pytestmark = pytest.mark.slow
 
 
 def command(out: Path, tokenizer, manifest, *extra: str, nproc: int = 2, tp: int = 2):
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "del_megatron.cli.train",
+    return torchrun_command(
+        "-m del_megatron.cli.train",
+        nproc,
         "--config",
         str(ROOT / "configs" / "tiny_cpu.yaml"),
         f"data.tokenizer={tokenizer}",
@@ -41,13 +33,11 @@ def command(out: Path, tokenizer, manifest, *extra: str, nproc: int = 2, tp: int
         f"output_dir={out}",
         "logging.wandb=disabled",
         *extra,
-    ]
+    )
 
 
 def env():
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::UserWarning")
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
-    return e
+    return torchrun_env()
 
 
 def run(cmd) -> subprocess.CompletedProcess:
