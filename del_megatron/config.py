@@ -31,8 +31,9 @@ class _Section(BaseModel):
 class ParallelConfig(_Section):
     tensor_parallel: int = Field(default=1, ge=1)
     """Tensor-parallel size (ranks sharing one layer); data-parallel size = world / this."""
-    zero_stage: Literal[0, 1, 2, 3] = 1
-    """DeepSpeed ZeRO stage across data-parallel ranks."""
+    zero_stage: Literal[1, 2, 3] = 1
+    """DeepSpeed ZeRO stage across data-parallel ranks (its optimizers skip steps with
+    non-finite gradients; stage 0's plain optimizer would apply them)."""
     sequence_parallel: bool = False
     """Not supported with DeepSpeed (it does not all-reduce layer-norm gradients across
     tensor-parallel ranks): refused."""
@@ -70,6 +71,9 @@ class TrainConfig(_Section):
     """Checkpoint every this many steps (0: only at the end)."""
     keep_checkpoints: int = Field(default=3, ge=0)
     """Keep the newest this many checkpoints (0: all)."""
+    max_nonfinite_steps: int = Field(default=5, gt=0)
+    """Stop after this many optimizer steps in a row with non-finite loss or gradients
+    (each is skipped by the ZeRO optimizer: no update, no schedule step)."""
 
 
 class DataSection(_Section):

@@ -14,6 +14,7 @@ from ..config import ConfigError, dump_run_config, load_run_config
 from ..data import DataError
 from ..losses.vocab import TokenizerError
 from ..training.checkpoint import CheckpointError
+from ..training.trainer import NonFiniteError
 
 
 def final_table(before: dict[str, float] | None, after: dict[str, float] | None) -> str:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..training.trainer import train
 
         result = train(cfg, resume=args.resume)
-    except (ConfigError, DataError, TokenizerError, CheckpointError) as err:
+    except (ConfigError, DataError, TokenizerError, CheckpointError, NonFiniteError) as err:
         print(f"del-train: error: {err}", file=sys.stderr)
         return 2
     import torch.distributed as dist

@@ -8,6 +8,7 @@ the engine, so there is no pipeline parallelism.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +29,10 @@ from .schedule import lr_factor
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 BatchSource = Callable[[int, int], dict[str, torch.Tensor]]  # (step, micro) -> batch
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row with non-finite loss or gradients."""
 
 
 @dataclass
@@ -53,6 +58,8 @@ class Run:
     scheduler: Any
     tokenizer: Any
     flops_per_token: float = 0.0
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
 
     @property
     def dp_group(self):
@@ -242,6 +249,7 @@ def train_steps(
         dist.all_reduce(tokens, group=run.dp_group)
         scale = run.dp_size * run.accumulation / max(tokens.item(), 1.0)
         totals = PairSum()
+        skipped_before = engine.skipped_steps
         for batch in micro_batches:
             loss_sum, _, report = _forward(run, batch)
             engine.backward(loss_sum * scale)
@@ -249,6 +257,26 @@ def train_steps(
             totals.add(report)
         values = totals.reduce(run.dp_group)
         values["loss"] = values.pop("lm loss")
+        # The ZeRO optimizer skips a step whose gradient norm is not finite (NaN/inf loss
+        # included): no update and no schedule step. Count them; stop after too many.
+        if engine.skipped_steps > skipped_before or not math.isfinite(values["loss"]):
+            run.nonfinite_in_a_row += 1
+            run.nonfinite_total += 1
+            if run.is_main:
+                print(
+                    f"step {step + 1}: non-finite loss or gradients, step skipped "
+                    f"({run.nonfinite_in_a_row} in a row, {run.nonfinite_total} in all)",
+                    flush=True,
+                )
+            if run.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
+                raise NonFiniteError(
+                    f"{run.nonfinite_in_a_row} optimizer steps in a row (up to step {step + 1}) "
+                    "had non-finite loss or gradients; lower optim.lr, check the data, or raise "
+                    "train.max_nonfinite_steps"
+                )
+        else:
+            run.nonfinite_in_a_row = 0
+        values["skipped_steps"] = float(run.nonfinite_total)
         elapsed = time.perf_counter() - start
         grad_norm = engine.get_global_grad_norm()
         if grad_norm is not None:

@@ -46,3 +46,9 @@ def test_tp2_dp2_zero_matches_tp1_dp1(reference, zero, synth_tokenizer, synth_sh
     assert losses[-1] < losses[0]  # it trains
     for step, (got, want) in enumerate(zip(losses, reference, strict=True)):
         assert abs(got - want) <= 1e-4 * abs(want), (step, got, want)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(zero, synth_tokenizer, synth_shards):
+    out = run_torchrun("train_nonfinite.py", 1, str(synth_tokenizer), str(synth_shards), str(zero))
+    assert "OK 3 optimizer steps in a row" in out

@@ -1,0 +1,65 @@
+"""torchrun worker: steps whose loss is NaN are skipped (weights unchanged), counted, and the
+run stops with a clear error after train.max_nonfinite_steps of them in a row.
+
+argv: tokenizer manifest zero_stage
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from del_megatron.training.trainer import NonFiniteError, setup, train_steps
+from tests.distributed.workers.train_equivalence import MICRO, config, global_batches
+
+NAN_STEPS = {1, 2, 4, 5, 6}  # 0-based: two in a row (survived), then three (the limit)
+
+
+def main() -> None:
+    tokenizer, manifest, zero = sys.argv[1:4]
+    cfg = config(tokenizer, manifest, 1, int(zero), "del")
+    cfg = cfg.model_copy(
+        update={"train": cfg.train.model_copy(update={"steps": 8, "max_nonfinite_steps": 3})}
+    )
+    run = setup(cfg)
+    digit_ids = [ids[0] for ids in run.tokenizer.digit_vocab.digit_ids]
+    steps = global_batches(digit_ids) * 2
+
+    def batches(step: int, micro: int):
+        window, mask = steps[step]
+        rows = slice(micro * MICRO, (micro + 1) * MICRO)
+        mask = mask[rows].clone()
+        if step in NAN_STEPS:
+            mask[0, 0] = float("nan")
+        return {"tokens": window[rows, :-1], "labels": window[rows, 1:], "loss_mask": mask}
+
+    weights = []
+    seen = []
+
+    def on_step(step, values):
+        import deepspeed
+
+        params = list(run.engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=int(zero) == 3):
+            weights.append(torch.cat([p.detach().flatten().clone() for p in params]))
+        seen.append(values["skipped_steps"])
+
+    try:
+        train_steps(run, batches, on_step)
+    except NonFiniteError as err:
+        message = str(err)
+    else:
+        raise AssertionError("the run did not stop")
+    # steps 2, 3 (1-based) were skipped: weights unchanged across them; step 4 trained again
+    assert torch.equal(weights[0], weights[1]) and torch.equal(weights[1], weights[2])
+    assert not torch.equal(weights[2], weights[3])
+    assert seen == [0, 1, 2, 2, 3, 4], seen
+    assert "3 optimizer steps in a row (up to step 7)" in message, message
+    if dist.get_rank() == 0:
+        print("OK", message)
+
+
+if __name__ == "__main__":
+    main()
