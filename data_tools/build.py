@@ -48,22 +48,26 @@ def tokenize_records(records: list[Record]) -> list[tuple[bytes, bytes | None]]:
     in a tokenizer process. It does as little else as it can: tokenizing is the build's cost
     (array.array packs ids ~4x faster than numpy at document sizes)."""
     assert _tokenizer is not None
+    encode, pack = _tokenizer.encode, _pack_ids
     out = []
     for record in records:
-        if isinstance(record, str):
-            out.append((_pack_ids(_tokenizer.encode(record)), None))
+        if record.__class__ is str:
+            out.append((pack(encode(record)), None))
         else:
-            prompt, response = _tokenizer.encode(record[0]), _tokenizer.encode(record[1])
+            prompt, response = encode(record[0]), encode(record[1])
             mask = bytes(len(prompt)) + b"\x01" * len(response)
-            out.append((_pack_ids(prompt + response), mask))
+            out.append((pack(prompt + response), mask))
     return out
 
 
 def _pack_ids(ids: list[int]) -> bytes:
     packed = array.array("I", ids)
-    if sys.byteorder != "little":
+    if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
+
+
+_BIG_ENDIAN = sys.byteorder != "little"
 
 
 def _chunks(records: Iterable[Record]) -> Iterator[list[Record]]:
@@ -84,36 +88,41 @@ class _ShardWriter:
         self.name = SHARD_PATTERN.format(len(self.entries))
         self.tmp = self.out_dir / (self.name + TMP_SUFFIX)
         self.file = open(self.tmp, "wb")
-        self.samples = self.tokens = 0
+        self.digest = hashlib.sha256()  # hashed as written: no second read of the shard
+        self.samples = self.tokens = self.bytes = 0
+
+    def _write(self, data: bytes) -> None:
+        self.file.write(data)
+        self.digest.update(data)
+        self.bytes += len(data)
 
     def write(self, tokens: bytes, mask: bytes | None) -> None:
         """One document: token ids (uint32 LE bytes) and its loss mask (uint8 bytes) if any."""
         # plain ustar members with fixed metadata: byte-identical output, no per-file PAX
         # records (those cost ~1.8x in read speed)
-        self.file.write(encode_sample(f"{self.samples:08d}", tokens, mask))
+        self._write(encode_sample(f"{self.samples:08d}", tokens, mask))
         self.samples += 1
         self.tokens += len(tokens) // 4
-        if self.file.tell() >= self.target_bytes:
+        if self.bytes >= self.target_bytes:
             self._close()
             self._open()
 
     def _close(self) -> None:
-        self.file.write(end_of_archive(self.file.tell()))
+        self._write(end_of_archive(self.bytes))
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
         if self.samples == 0:
             self.tmp.unlink()
             return
-        data = self.tmp.read_bytes()
         self.tmp.replace(self.out_dir / self.name)
         self.entries.append(
             ShardEntry(
                 name=self.name,
                 samples=self.samples,
                 tokens=self.tokens,
-                bytes=len(data),
-                sha256=hashlib.sha256(data).hexdigest(),
+                bytes=self.bytes,
+                sha256=self.digest.hexdigest(),
             )
         )
 
@@ -150,6 +159,7 @@ def build_shards(
     records = itertools.chain.from_iterable(read_records(f, fields) for f in files)
     writer = _ShardWriter(out_dir, shard_bytes)
     bar = tqdm(desc=f"tokenizing {out_dir.name}", unit="doc", disable=not progress)
+    pool = None
     if workers > 0:  # tokenizer processes; this one reads the input and writes the shards
         pool = multiprocessing.get_context("fork").Pool(
             workers, initializer=_init_worker, initargs=(str(tokenizer_path),)
@@ -158,7 +168,6 @@ def build_shards(
             tokenize_records, _chunks(records)
         )
     else:
-        pool = None
         _init_worker(str(tokenizer_path))
         batches = map(tokenize_records, _chunks(records))
     try:
