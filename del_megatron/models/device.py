@@ -79,7 +79,8 @@ def transformer_config_overrides(device: torch.device) -> dict[str, Any]:
         "bf16": True,
         "bias_activation_fusion": True,
         "bias_dropout_fusion": True,
-        "masked_softmax_fusion": True,
+        # megatron's fused softmax kernels come with Transformer Engine / Apex builds
+        "masked_softmax_fusion": transformer_engine_available(),
         "apply_rope_fusion": transformer_engine_available(),
         "gradient_accumulation_fusion": False,
     }
