@@ -20,8 +20,8 @@ def reference(synth_tokenizer, synth_shards, tmp_path_factory):
         1,
         str(synth_tokenizer),
         str(synth_shards),
-        "1",
-        "0",
+        "1",  # TP 1
+        "1",  # ZeRO 1 (with DP 1 it partitions nothing)
         "del",
         str(out),
     )
