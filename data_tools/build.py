@@ -33,7 +33,11 @@ from .readers import Fields, Record, expand_inputs, read_records
 SHARD_PATTERN = "shard-{:05d}.tar"
 MANIFEST_NAME = "manifest.json"
 TMP_SUFFIX = ".tmp"
-CHUNK = 256  # records per task sent to a tokenizer process
+# A task for a tokenizer process: records up to this many characters of text. Its result (4
+# bytes a token, ~1 byte a character) must fit the 64 KiB pipe buffer, or the tokenizer
+# process blocks until this one reads it: 256 ~180-token documents a task gave 0.83x of a
+# plain encode loop, 64 gave 0.93x.
+CHUNK_CHARS = 40_000
 
 _tokenizer: Tokenizer | None = None
 
@@ -71,8 +75,15 @@ _BIG_ENDIAN = sys.byteorder != "little"
 
 
 def _chunks(records: Iterable[Record]) -> Iterator[list[Record]]:
-    it = iter(records)
-    while chunk := list(itertools.islice(it, CHUNK)):
+    chunk: list[Record] = []
+    size = 0
+    for record in records:
+        chunk.append(record)
+        size += len(record) if isinstance(record, str) else len(record[0]) + len(record[1])
+        if size >= CHUNK_CHARS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
         yield chunk
 
 
