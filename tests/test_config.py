@@ -173,7 +173,7 @@ def test_shipped_configs_validate(name):
     cfg = load_run_config(ROOT / "configs" / f"{name}.yaml")
     expected_alpha = 0.01 if name.startswith(("qwen", "deepseek")) else 0.1
     assert cfg.loss.kind == "del" and cfg.loss.alpha == expected_alpha
-    if name == "codellama_7b" or name == "llama2_7b":
+    if name == "codellama_7b":
         assert cfg.optim.lr == 2e-5
     elif name != "tiny_cpu":
         assert cfg.optim.lr == 5e-6
