@@ -5,10 +5,7 @@ import warnings
 # megatron-core warns on import when Transformer Engine / Apex are absent (always so on CPU);
 # its local fallbacks are what we use there, so the notice is noise in every command.
 warnings.filterwarnings(
-    "ignore", message=r"(Transformer Engine and )?Apex is not installed", category=UserWarning
-)
-warnings.filterwarnings(
-    "ignore", message=r"Transformer Engine and Apex are not installed", category=UserWarning
+    "ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed", category=UserWarning
 )
 
 from .losses import (  # noqa: E402

@@ -27,7 +27,7 @@ def valid(tmp_path, synth_tokenizer, synth_shards) -> Path:
     return path
 
 
-def run(capsys, *argv, world: int = 2, monkeypatch=None) -> tuple[int, str, str]:
+def run(capsys, *argv) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err

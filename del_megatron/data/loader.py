@@ -17,7 +17,7 @@ import torch
 
 from .config import DataConfig
 from .format import DataError, Manifest, read_manifest
-from .stream import SlotStream, build_slot_stream
+from .stream import SlotStream, Windows, build_slot_stream
 
 LOADER_STATE_VERSION = 1
 
@@ -70,7 +70,7 @@ class _WorkerStreams(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
-        physical, count = (info.id, info.num_workers) if info is not None else (0, 1)
+        physical = info.id if info is not None else 0
         loader = self.loader
         workers = max(loader.cfg.num_workers, 1)
         mine = (
@@ -78,7 +78,6 @@ class _WorkerStreams(torch.utils.data.IterableDataset):
             if info is not None
             else [(loader.offset + i) % workers for i in range(workers)]
         )
-        assert count == 1 or len(mine) == 1
         streams = {w: loader.make_stream(w) for w in mine}
         while True:
             for logical in mine:
@@ -177,9 +176,7 @@ class StreamingLoader:
             most = max(most, math.ceil(max(tokens - 1, 0) / (b * s)))
         return most
 
-    def padding_windows(self):
-        from .stream import Windows
-
+    def padding_windows(self) -> Windows:
         b, s = self.cfg.micro_batch_size, self.cfg.seq_len
         eos = self.manifests[0][1].tokenizer.eos_id
         return Windows(
