@@ -47,4 +47,5 @@ def test_matches_ntloss(hf_tokenizer, kind, reference, with_mask):
     out = numeric_loss(logits, labels, vocab, NumericLossConfig(kind=kind), mask)
     expected = ref(logits, labels, loss_weights=mask)
     assert out.stats["digits"] > 5
-    assert_close(out.numeric, expected, atol=1e-6, what=kind)
+    # ntloss works in float32: its sum of ~50 terms near 17 carries ~1e-7 relative error
+    assert_close(out.numeric, expected, atol=1e-6, rtol=1e-6, what=kind)
