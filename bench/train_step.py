@@ -83,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from del_megatron.losses import NumericLossConfig
-    from del_megatron.training.trainer import setup, train_steps
+    from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
     root = Path(tempfile.mkdtemp(prefix="del-bench-step-"))
     cfg = run_config(tokenizer_path(root), args.gpu_7b)
@@ -110,8 +110,7 @@ def main() -> None:
         sync = torch.cuda.synchronize if run.device.type == "cuda" else (lambda: None)
         sync()
         start = time.perf_counter()
-        values: dict[str, float] = {}
-        train_steps(run, batch, on_step=lambda _, v, out=values: out.update(v), steps=1)
+        values = train_step(run, next_micro_batches(run, batch, i), i + 1)
         sync()
         if i >= 4:  # warm-up
             times[kind].append(time.perf_counter() - start)

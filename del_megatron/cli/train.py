@@ -1,13 +1,15 @@
 """del-train --config FILE [section.field=value ...] [--dry-run]
 
-Run under torchrun or SLURM for several processes; alone it runs one. Configuration and
-environment mistakes print one line and exit with status 2.
+Run under torchrun or SLURM for several processes; alone it runs one. Exit status: 0 done,
+2 a mistake the user can fix (one line), 75 stopped on request (SIGTERM / SIGUSR1 on any
+rank: every rank saved the checkpoint; run again with --resume auto to continue).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..config import ConfigError, dump_run_config, load_run_config
@@ -15,6 +17,10 @@ from ..data import DataError
 from ..losses.vocab import TokenizerError
 from ..training.checkpoint import CheckpointError
 from ..training.trainer import NonFiniteError
+
+# "Stopped on request, checkpoint saved: run me again" (sysexits.h EX_TEMPFAIL, "try again
+# later"). launch/slurm/train.sbatch requeues the job on exactly this status.
+EXIT_STOPPED = 75
 
 
 def final_table(before: dict[str, float] | None, after: dict[str, float] | None) -> str:
@@ -73,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
         result = train(cfg, resume=args.resume)
     except (ConfigError, DataError, TokenizerError, CheckpointError, NonFiniteError) as err:
-        print(f"del-train: error: {err}", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
+            print(f"del-train: error: {err}", file=sys.stderr)  # once a node, not once a rank
         return 2
     import torch.distributed as dist
 
@@ -81,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         if result.eval_after is not None:
             print(final_table(result.eval_before, result.eval_after))
         if result.checkpoint:
-            print(f"checkpoint: {result.checkpoint}")
-    return 0
+            stopped = "stopped on request (resume with --resume auto); " if result.stopped else ""
+            print(f"{stopped}checkpoint: {result.checkpoint}", flush=True)
+    return EXIT_STOPPED if result.stopped else 0
 
 
 if __name__ == "__main__":

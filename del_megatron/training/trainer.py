@@ -7,13 +7,10 @@ the engine, so there is no pipeline parallelism.
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,8 +19,9 @@ import torch.distributed as dist
 from ..config import ConfigError, RunConfig, deepspeed_config
 from ..data import DataConfig, StreamingLoader
 from ..models.device import recompute_overrides, resolve_device, select_accelerator
-from .metrics import PairSum, WandbSink, console_line
+from .metrics import PairSum, Reporter
 from .schedule import lr_factor
+from .signals import StopRequest
 
 # bf16 dense peak per GPU, for MFU
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -41,6 +39,7 @@ class TrainResult:
     eval_before: dict[str, float] | None = None
     eval_after: dict[str, float] | None = None
     checkpoint: str | None = None
+    stopped: bool = False  # a stop signal ended the run early (checkpoint saved)
 
 
 @dataclass
@@ -222,14 +221,18 @@ def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
     return values
 
 
-def train_steps(
-    run: Run,
-    batches: Iterator[dict[str, torch.Tensor]] | BatchSource,
-    on_step: Callable[[int, dict[str, float]], bool | None] | None = None,
-    steps: int | None = None,
-    first_step: int = 0,
-) -> list[float]:
-    """Run `steps` (default cfg.train.steps) optimizer steps; returns each step's loss.
+def next_micro_batches(
+    run: Run, source: Iterator[dict[str, torch.Tensor]] | BatchSource, step: int
+) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of optimizer step `step` (0-based)."""
+    if callable(source):
+        return [source(step, m) for m in range(run.accumulation)]
+    return [next(source) for _ in range(run.accumulation)]
+
+
+def train_step(run: Run, micro_batches: list[dict[str, torch.Tensor]], step: int) -> dict:
+    """One optimizer step (`step` 1-based) over this rank's micro-batches; returns the step's
+    metrics, reduced over data-parallel ranks (the same on every rank).
 
     Each micro-batch's summed loss is divided by the tokens of the whole global batch (all
     micro-batches of all data-parallel ranks), then multiplied back by what DeepSpeed divides
@@ -237,189 +240,125 @@ def train_steps(
     sum(loss) / tokens over the global batch, whatever the parallel layout.
     """
     cfg, engine = run.cfg, run.engine
-    losses = []
-    last = cfg.train.steps if steps is None else first_step + steps
-    for step in range(first_step, last):
-        start = time.perf_counter()
-        if callable(batches):
-            micro_batches = [batches(step, m) for m in range(run.accumulation)]
-        else:
-            micro_batches = [next(batches) for _ in range(run.accumulation)]
-        tokens = torch.stack([b["loss_mask"].sum() for b in micro_batches]).sum().double()
-        dist.all_reduce(tokens, group=run.dp_group)
-        scale = run.dp_size * run.accumulation / max(tokens.item(), 1.0)
-        totals = PairSum()
-        skipped_before = engine.skipped_steps
-        for batch in micro_batches:
-            loss_sum, _, report = _forward(run, batch)
-            engine.backward(loss_sum * scale)
-            engine.step()
-            totals.add(report)
-        values = totals.reduce(run.dp_group)
-        values["loss"] = values.pop("lm loss")
-        # The ZeRO optimizer skips a step whose gradient norm is not finite (NaN/inf loss
-        # included): no update and no schedule step. Count them; stop after too many.
-        if engine.skipped_steps > skipped_before or not math.isfinite(values["loss"]):
-            run.nonfinite_in_a_row += 1
-            run.nonfinite_total += 1
-            if run.is_main:
-                print(
-                    f"step {step + 1}: non-finite loss or gradients, step skipped "
-                    f"({run.nonfinite_in_a_row} in a row, {run.nonfinite_total} in all)",
-                    flush=True,
-                )
-            if run.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
-                raise NonFiniteError(
-                    f"{run.nonfinite_in_a_row} optimizer steps in a row (up to step {step + 1}) "
-                    "had non-finite loss or gradients; lower optim.lr, check the data, or raise "
-                    "train.max_nonfinite_steps"
-                )
-        else:
-            run.nonfinite_in_a_row = 0
-        values["skipped_steps"] = float(run.nonfinite_total)
-        elapsed = time.perf_counter() - start
-        grad_norm = engine.get_global_grad_norm()
-        if grad_norm is not None:
-            values["grad_norm"] = float(grad_norm)
-        values["lr"] = run.scheduler.get_last_lr()[0]
-        values["tokens_per_s"] = cfg.train.global_batch_size * cfg.train.seq_len / elapsed
-        if run.device.type == "cuda":
-            name = torch.cuda.get_device_name()
-            per_gpu = run.flops_per_token * values["tokens_per_s"] / run.world
-            values["tflops"] = per_gpu / 1e12
-            peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-            if peak:
-                values["mfu"] = per_gpu / peak
-        losses.append(values["loss"])
-        if on_step is not None and on_step(step + 1, values):
-            break  # asked to stop (a signal)
-    return losses
+    start = time.perf_counter()
+    tokens = torch.stack([b["loss_mask"].sum() for b in micro_batches]).sum().double()
+    dist.all_reduce(tokens, group=run.dp_group)
+    scale = run.dp_size * run.accumulation / max(tokens.item(), 1.0)
+    totals = PairSum()
+    skipped_before = engine.skipped_steps
+    for batch in micro_batches:
+        loss_sum, _, report = _forward(run, batch)
+        engine.backward(loss_sum * scale)
+        engine.step()
+        totals.add(report)
+    values = totals.reduce(run.dp_group)
+    values["loss"] = values.pop("lm loss")
+    # The ZeRO optimizer skips a step whose gradient norm is not finite (NaN/inf loss
+    # included): no update and no schedule step. Both signs are agreed by every rank (the
+    # overflow check and the loss are all-reduced). Count them; stop after too many.
+    if engine.skipped_steps > skipped_before or not math.isfinite(values["loss"]):
+        run.nonfinite_in_a_row += 1
+        run.nonfinite_total += 1
+        if run.is_main:
+            print(
+                f"step {step}: non-finite loss or gradients, step skipped "
+                f"({run.nonfinite_in_a_row} in a row, {run.nonfinite_total} in all)",
+                flush=True,
+            )
+        if run.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{run.nonfinite_in_a_row} optimizer steps in a row (up to step {step}) "
+                "had non-finite loss or gradients; lower optim.lr, check the data, or raise "
+                "train.max_nonfinite_steps"
+            )
+    else:
+        run.nonfinite_in_a_row = 0
+    values["skipped_steps"] = float(run.nonfinite_total)
+    elapsed = time.perf_counter() - start
+    grad_norm = engine.get_global_grad_norm()  # before clipping
+    if grad_norm is not None:
+        values["grad_norm"] = float(grad_norm)
+    values["lr"] = run.scheduler.get_last_lr()[0]
+    values["tokens_per_s"] = cfg.train.global_batch_size * cfg.train.seq_len / elapsed
+    if run.device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        per_gpu = run.flops_per_token * values["tokens_per_s"] / run.world
+        values["tflops"] = per_gpu / 1e12
+        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+        if peak:
+            values["mfu"] = per_gpu / peak
+    return values
 
 
-class StopRequest:
-    """SIGTERM / SIGUSR1 (preemption, a scheduler's warning) ask the run to stop cleanly: the
-    handler only sets a flag; after each step the ranks agree (one all-reduce MAX) and every
-    rank saves the checkpoint and returns. A second signal during the save changes nothing."""
-
-    SIGNALS = ("SIGTERM", "SIGUSR1")
-
-    def __init__(self) -> None:
-        import signal
-
-        self.requested = False
-        self._previous = {}
-        for name in self.SIGNALS:
-            sig = getattr(signal, name)
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-
-    def agreed(self, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def restore(self) -> None:
-        import signal
-
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+def due(interval: int, step: int, last: int) -> bool:
+    """Every `interval` steps (0: never), not at the last step (handled on its own)."""
+    return bool(interval) and step % interval == 0 and step < last
 
 
 def train(
     cfg: RunConfig, *, batches: BatchSource | None = None, save: bool = True, resume: str = "none"
 ) -> TrainResult:
     """The whole run: setup, resume, evaluation before, the steps, checkpoints, evaluation
-    after. resume: 'none', 'auto' (the newest complete checkpoint, if any) or a directory."""
-    from tqdm import tqdm
+    after. resume: 'none', 'auto' (the newest complete checkpoint, if any) or a directory.
 
+    A stop signal (SIGTERM, SIGUSR1) on any rank: every rank saves the checkpoint of the step
+    just finished and returns with `stopped` set (no final save, no evaluation after).
+    """
     from . import checkpoint
 
-    run = setup(cfg)
-    result = TrainResult()
-    loader = None
-    if batches is None:
-        loader = StreamingLoader(
-            data_config(cfg, cfg.data.sources),
-            run.dp_rank,
-            run.dp_size,
-            fingerprint=run.tokenizer.fingerprint,
-        )
-    start = 0
-    path = checkpoint.resolve(resume, cfg.output_dir)
-    if run.is_main:
-        checkpoint.remove_partial(cfg.output_dir)
-    if path is not None:
-        start = checkpoint.load(run, path, loader)
-        if run.is_main:
-            print(f"resumed from {path} at step {start}", flush=True)
-    source: Iterator | BatchSource = iter(loader) if loader is not None else batches
-    sink = WandbSink(
-        cfg.logging.wandb if run.is_main else "disabled",
-        cfg.logging.project,
-        cfg.logging.run_name,
-        cfg.output_dir,
-        cfg.model_dump(mode="json"),
-    )
-    show_bar = run.is_main and cfg.logging.progress_bar and sys.stderr.isatty()
-    bar = tqdm(
-        total=cfg.train.steps,
-        initial=start,
-        disable=not show_bar,
-        desc="training",
-        unit="step",
-        dynamic_ncols=True,
-    )
-    metrics_file = Path(cfg.output_dir) / "metrics.jsonl"
-    if run.is_main:
-        metrics_file.parent.mkdir(parents=True, exist_ok=True)
-    stop = StopRequest()
-    result.eval_before = evaluate(run, cfg.eval.max_batches) if start == 0 else None
-
-    def keep(step: int) -> None:
-        if save:
-            result.checkpoint = str(
-                checkpoint.save(run, step, loader, keep=cfg.train.keep_checkpoints)
+    with StopRequest() as stop:  # first: a signal during set-up is a stop, not a kill
+        run = setup(cfg)
+        loader = None
+        if batches is None:
+            loader = StreamingLoader(
+                data_config(cfg, cfg.data.sources),
+                run.dp_rank,
+                run.dp_size,
+                fingerprint=run.tokenizer.fingerprint,
             )
-
-    def on_step(step: int, values: dict[str, float]) -> bool:
-        bar.update(1)
-        bar.set_postfix(loss=f"{values['loss']:.3f}", digit_acc=f"{values['digit_acc']:.3f}")
-        interval = cfg.train.eval_interval
-        if interval and step % interval == 0 and step < cfg.train.steps:
-            extra = evaluate(run, cfg.eval.max_batches) or {}
-            values.update({f"eval/{k}": v for k, v in extra.items()})
+        result = TrainResult()
+        start = 0
+        path = checkpoint.resolve(resume, cfg.output_dir)
         if run.is_main:
-            sink.log(values, step)
-            with open(metrics_file, "a") as f:  # exact floats, one line a step
-                f.write(json.dumps({"step": step, **values}) + "\n")
-            if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
-                bar.write(console_line(step, cfg.train.steps, values))
-        if stop.agreed(run.device):
-            keep(step)
+            checkpoint.remove_partial(cfg.output_dir)
+        if path is not None:
+            start = checkpoint.load(run, path, loader)
             if run.is_main:
-                bar.write(f"stop requested: checkpoint of step {step} saved, exiting")
-            return True
-        if (
-            cfg.train.save_interval
-            and step % cfg.train.save_interval == 0
-            and step < cfg.train.steps
-        ):
-            keep(step)
-        return False
+                print(f"resumed from {path} at step {start}", flush=True)
+        source = iter(loader) if loader is not None else batches
+        last = cfg.train.steps
+        reporter = Reporter(cfg, start=start, enabled=run.is_main)
 
-    try:
-        result.losses = train_steps(run, source, on_step, first_step=start)
-    finally:
-        bar.close()
-        stop.restore()
-    if stop.requested:
-        sink.close()
-        return result
-    keep(cfg.train.steps)
-    result.eval_after = evaluate(run, cfg.eval.max_batches)
-    if result.eval_after is not None:
-        sink.log({f"eval/{k}": v for k, v in result.eval_after.items()}, cfg.train.steps)
-    sink.close()
-    return result
+        def keep(step: int) -> None:
+            if save:
+                saved = checkpoint.save(run, step, loader, keep=cfg.train.keep_checkpoints)
+                result.checkpoint = str(saved)
+
+        try:
+            if start == 0:
+                result.eval_before = evaluate(run, cfg.eval.max_batches)
+            for step in range(start + 1, last + 1):
+                values = train_step(run, next_micro_batches(run, source, step - 1), step)
+                if due(cfg.train.eval_interval, step, last):
+                    extra = evaluate(run, cfg.eval.max_batches) or {}
+                    values.update({f"eval/{k}": v for k, v in extra.items()})
+                result.losses.append(values["loss"])
+                reporter.step(step, values)
+                if stop.agreed(run.device):  # the one place the stop decision is read
+                    keep(step)
+                    reporter.message(f"stop requested: checkpoint of step {step} saved")
+                    result.stopped = True
+                    return result
+                if due(cfg.train.save_interval, step, last):
+                    keep(step)
+            if start < last:
+                keep(last)
+            elif path is not None:
+                reporter.message(f"{path} is the last step ({last}): nothing left to train")
+                result.checkpoint = str(path)
+            result.eval_after = evaluate(run, cfg.eval.max_batches)
+            if result.eval_after is not None:
+                reporter.log({f"eval/{k}": v for k, v in result.eval_after.items()}, last)
+            return result
+        finally:
+            reporter.close()

@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from del_megatron.training.trainer import NonFiniteError, setup, train_steps
+from del_megatron.training.trainer import NonFiniteError, next_micro_batches, setup, train_step
 from tests.distributed.workers.train_equivalence import MICRO, config, global_batches
 
 NAN_STEPS = {1, 2, 4, 5, 6}  # 0-based: two in a row (survived), then three (the limit)
@@ -35,19 +35,17 @@ def main() -> None:
             mask[0, 0] = float("nan")
         return {"tokens": window[rows, :-1], "labels": window[rows, 1:], "loss_mask": mask}
 
+    import deepspeed
+
     weights = []
     seen = []
-
-    def on_step(step, values):
-        import deepspeed
-
-        params = list(run.engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=int(zero) == 3):
-            weights.append(torch.cat([p.detach().flatten().clone() for p in params]))
-        seen.append(values["skipped_steps"])
-
     try:
-        train_steps(run, batches, on_step)
+        for step in range(1, cfg.train.steps + 1):
+            values = train_step(run, next_micro_batches(run, batches, step - 1), step)
+            params = list(run.engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, enabled=int(zero) == 3):
+                weights.append(torch.cat([p.detach().flatten().clone() for p in params]))
+            seen.append(values["skipped_steps"])
     except NonFiniteError as err:
         message = str(err)
     else:
