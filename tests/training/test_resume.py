@@ -1,26 +1,26 @@
 """Surviving failure (CPU, TP 2 on 2 processes): exact resume after SIGKILL, kills during a
-checkpoint write, SIGUSR1 saving and exiting 0, and resuming at another data-parallel size."""
+checkpoint write, a stop signal to one rank saving on every rank and exiting 75, and resuming
+at another data-parallel size."""
 
 from __future__ import annotations
 
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from ..distributed.launcher import ROOT, torchrun_command, torchrun_env
+from ..distributed.launcher import ROOT, free_port, run_torchrun, torchrun_command, torchrun_env
 
 pytestmark = pytest.mark.slow
 
 
-def command(out: Path, tokenizer, manifest, *extra: str, nproc: int = 2, tp: int = 2):
-    return torchrun_command(
-        "-m del_megatron.cli.train",
-        nproc,
+def train_args(out: Path, tokenizer, manifest, *extra: str, tp: int = 2) -> list[str]:
+    return [
         "--config",
         str(ROOT / "configs" / "tiny_cpu.yaml"),
         f"data.tokenizer={tokenizer}",
@@ -33,6 +33,12 @@ def command(out: Path, tokenizer, manifest, *extra: str, nproc: int = 2, tp: int
         f"output_dir={out}",
         "logging.wandb=disabled",
         *extra,
+    ]
+
+
+def command(out: Path, tokenizer, manifest, *extra: str, nproc: int = 2, tp: int = 2):
+    return torchrun_command(
+        "-m del_megatron.cli.train", nproc, *train_args(out, tokenizer, manifest, *extra, tp=tp)
     )
 
 
@@ -126,25 +132,65 @@ def test_kills_during_checkpoint_writes_never_lose_the_last_good_one(
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
-def test_sigusr1_saves_and_exits_zero_then_resume_continues(
+def start_ranks(args: list[str], nproc: int) -> list[subprocess.Popen]:
+    """del-train on `nproc` ranks without a launcher, as srun starts them (one process per
+    rank, the rendezvous from the environment), so each rank's own exit status is seen."""
+    port = free_port()
+    ranks = []
+    for rank in range(nproc):
+        rank_env = {
+            **env(),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "del_megatron.cli.train", *args],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=ROOT,
+            )
+        )
+    return ranks
+
+
+def test_stop_signal_to_one_rank_stops_every_rank_with_a_checkpoint(
     tmp_path, synth_tokenizer, synth_shards
 ):
+    from del_megatron.cli.train import EXIT_STOPPED
+
     out = tmp_path / "run"
-    cmd = command(out, synth_tokenizer, synth_shards, "train.steps=400")
-    proc = start_and_wait(cmd, out, step=4)
-    workers = psutil.Process(proc.pid).children(recursive=False)  # the two training ranks
-    assert len(workers) == 2
-    for worker in workers:
-        worker.send_signal(signal.SIGUSR1)
-    assert proc.wait(timeout=300) == 0
+    args = train_args(out, synth_tokenizer, synth_shards, "train.steps=400")
+    ranks = start_ranks(args, 2)
+    metrics_file = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics_file.is_file() and len(metrics_file.read_text().splitlines()) >= 4):
+        assert time.time() < deadline and all(r.poll() is None for r in ranks)
+        time.sleep(0.05)
+    ranks[1].send_signal(signal.SIGUSR1)  # rank 1 only: rank 0 must follow the agreement
+    outputs = [r.communicate(timeout=300)[0] for r in ranks]  # no hang
+    assert [r.returncode for r in ranks] == [EXIT_STOPPED, EXIT_STOPPED], outputs
     saved = sorted((out / "checkpoints").glob("step-*"))
-    assert len(saved) == 1
+    assert len(saved) == 1, saved  # the stop's checkpoint, no final-step save
     stopped_at = int(saved[0].name.split("-")[1])
     assert 4 <= stopped_at < 400
-    resumed = start_and_wait([*cmd, "--resume", "auto"], out, step=stopped_at + 2)
+    assert json.loads((saved[0] / "meta.json").read_text())["step"] == stopped_at
+    assert f"checkpoint of step {stopped_at} saved" in outputs[0]
+    assert max(losses(out)) == stopped_at
+
+    resumed = start_and_wait(
+        [*command(out, synth_tokenizer, synth_shards, "train.steps=400"), "--resume", "auto"],
+        out,
+        step=stopped_at + 2,
+    )
     kill_hard(resumed)
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps[steps.index(stopped_at) + 1] == stopped_at + 1  # continues at the next step
+    steps = [json.loads(line)["step"] for line in metrics_file.read_text().splitlines()]
+    assert steps[: stopped_at + 1] == list(range(1, stopped_at + 2))  # continues at the next
 
 
 def test_resume_at_another_data_parallel_size(tmp_path, synth_tokenizer, synth_shards):
@@ -164,6 +210,11 @@ def test_resume_at_another_data_parallel_size(tmp_path, synth_tokenizer, synth_s
     )
     assert "at step 10" in proc.stdout
     assert sorted(losses(out)) == list(range(1, 15))
+    # the weights themselves, in the model and in the optimizer's copy: DP 2 -> 1 and 1 -> 2
+    for saved, nproc in (("step-0000006", 1), ("step-0000010", 2)):
+        args = train_args(out, synth_tokenizer, synth_shards, tp=1)[1:]  # config, overrides
+        output = run_torchrun("resume_weights.py", nproc, str(out / "checkpoints" / saved), *args)
+        assert f"restored at data-parallel size {nproc}" in output
 
 
 def test_bad_checkpoints_give_one_line_and_exit_non_zero(

@@ -1,6 +1,7 @@
-"""torchrun worker: 5 optimizer steps of the trainer on fixed global batches; rank 0 writes
-the loss of each step to a JSON file. Run at TP 1 x DP 1 and at TP 2 x DP 2 with each ZeRO
-stage; the test compares the trajectories."""
+"""torchrun worker: 5 optimizer steps of the trainer on fixed global batches. Rank 0 writes
+each step's loss and gradient norm (before clipping) to a JSON file and the full parameters
+after the last step (gathered across tensor-parallel ranks) beside it (.pt). Run at TP 1 x DP 1
+and at TP 2 x DP 2 with each ZeRO stage; the test compares them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from del_megatron.config import parse_run_config
-from del_megatron.training.trainer import train
+from del_megatron.models.hf import gather_full
+from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
 SEQ, MICRO, GLOBAL, VOCAB = 32, 2, 8, 800
 
@@ -78,11 +80,22 @@ def main() -> None:
         rows = slice(block * MICRO, (block + 1) * MICRO)
         return {"tokens": window[rows, :-1], "labels": window[rows, 1:], "loss_mask": mask[rows]}
 
-    result = train(cfg, batches=batches, save=False)
+    import deepspeed
+
+    run = setup(cfg)
+    trajectory = {"losses": [], "grad_norms": []}
+    for step in range(1, cfg.train.steps + 1):
+        values = train_step(run, next_micro_batches(run, batches, step - 1), step)
+        trajectory["losses"].append(values["loss"])
+        trajectory["grad_norms"].append(values["grad_norm"])
+    module = run.engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=int(zero) == 3):
+        params = gather_full(module)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump(result.losses, f)
-        print("OK", result.losses)
+            json.dump(trajectory, f)
+        torch.save(params, out + ".pt")
+        print("OK", trajectory)
 
 
 if __name__ == "__main__":
