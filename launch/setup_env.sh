@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment in .venv with everything the project
-# and its tests need. Safe to re-run: pip skips what is already installed.
+# and its tests need. Safe to re-run: when pyproject.toml has not changed since the last
+# install, nothing is reinstalled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+stamp=$VENV/.del-megatron-installed
+wanted=$(sha256sum pyproject.toml | cut -d' ' -f1)
 
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ]; then
+  exit 0
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
@@ -18,5 +24,7 @@ pip_install --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   pip_install "torch==2.13.0"
 fi
-pip_install -e ".[test]"
+# setuptools' notice about editable installs is for package authors, not for this script
+PYTHONWARNINGS=ignore pip_install -e ".[test]"
+echo "$wanted" >"$stamp"
 echo "environment ready: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -8,6 +8,8 @@ the device is the CPU.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 from typing import Any
 
@@ -45,11 +47,35 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def select_accelerator(device: torch.device) -> None:
-    """Tell DeepSpeed which accelerator to use; call before deepspeed is imported."""
+    """Tell DeepSpeed which accelerator to use; call before deepspeed is imported and before
+    the first CUDA context."""
     import os
 
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # megatron-core's asynchronous all-reduce of input gradients across tensor-parallel ranks
+    # relies on kernels starting in launch order, which one hardware queue per device gives
+    # (Megatron-LM and NeMo set the same; megatron warns without it). No effect on CPU.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+@contextlib.contextmanager
+def quiet_communication_setup(device: torch.device):
+    """On CPU, DeepSpeed loads its shared-memory all-reduce op and prints that it 'built
+    successfully' on every rank: nothing a user can act on. Its stdout is dropped there."""
+    if device.type != "cpu":
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def bind_local_device(device: torch.device, local_rank: int) -> None:
+    """Each rank of a node on its own GPU. A cluster that binds GPUs to tasks (srun
+    --gpus-per-task, --gpu-bind) shows each rank fewer devices than ranks per node; the
+    local rank modulo the visible devices is right in both cases."""
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
 def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:

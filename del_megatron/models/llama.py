@@ -82,6 +82,7 @@ def transformer_config(arch: LlamaArchitecture, device: torch.device, **override
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         "tensor_model_parallel_size": _tp_size(),
+        "cuda_graph_scope": [],  # no CUDA graphs; megatron's default "full" is deprecated
         **transformer_config_overrides(device),
     }
     fields.update(overrides)
