@@ -10,15 +10,35 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from .config import ConfigError
+from .models.device import bind_local_device, quiet_communication_setup
+
+
+def rank_environment() -> None:
+    """RANK / WORLD_SIZE / LOCAL_RANK as torch expects them. torchrun sets them; under srun
+    (one task per GPU) they come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, and the
+    rendezvous address from MASTER_ADDR / MASTER_PORT, which launch/slurm/train.sbatch
+    exports. Idempotent; changes nothing outside SLURM."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ.update(
+        RANK=os.environ["SLURM_PROCID"],
+        WORLD_SIZE=os.environ["SLURM_NTASKS"],
+        LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
+    )
+    if os.environ["WORLD_SIZE"] != "1" and not (
+        os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
+    ):
+        raise ConfigError(
+            "running under SLURM with several tasks but MASTER_ADDR / MASTER_PORT are "
+            "unset: launch with launch/slurm/train.sbatch or export them"
+        )
+
 
 def init_distributed(device: torch.device) -> tuple[int, int]:
-    """(rank, world size). torchrun and SLURM set the environment; alone, one process."""
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
-        os.environ.update(
-            RANK=os.environ["SLURM_PROCID"],
-            WORLD_SIZE=os.environ["SLURM_NTASKS"],
-            LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
-        )
+    """(rank, world size) after joining the process group (see `rank_environment`); alone,
+    one process."""
+    rank_environment()
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -29,11 +49,11 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     if not dist.is_initialized():
         import deepspeed
 
-        deepspeed.init_distributed(
-            dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False
-        )
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        with quiet_communication_setup(device):
+            deepspeed.init_distributed(
+                dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False
+            )
+    bind_local_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -15,6 +15,9 @@ from ..models.device import resolve_device
 
 def preflight(cfg: RunConfig, world_size: int | None = None) -> dict[str, Any]:
     """The resolved parallel layout; raises ConfigError naming the first problem."""
+    from ..parallel import rank_environment
+
+    rank_environment()
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     dp = cfg.data_parallel_size(world)
     accumulation = cfg.accumulation_steps(world)

@@ -1,0 +1,263 @@
+"""launch/slurm/train.sbatch on a real two-node SLURM cluster (tests/slurm/cluster.sh; CI
+starts it). Two nodes, one rank each, tensor parallel 2 across them (the tiny config's
+layout): a run to the end, preemption by a signal to the batch shell and to one node's rank
+only (checkpoint, requeue, exact resume), the restart cap, and failures that must not
+requeue. Skipped when no cluster answers, unless DEL_REQUIRE_SLURM=1 (CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ..distributed.launcher import ROOT
+
+pytestmark = pytest.mark.slow
+
+STEPS = 30
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def cluster_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    proc = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, check=False
+    )
+    states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
+    return proc.returncode == 0 and all(
+        states.get(n, "").rstrip("*") in ("idle", "mix", "alloc") for n in ("n1", "n2")
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm():
+    if not cluster_up():
+        if os.environ.get("DEL_REQUIRE_SLURM") == "1":
+            pytest.fail("DEL_REQUIRE_SLURM=1 but the test cluster (tests/slurm/cluster.sh) is down")
+        pytest.skip("no two-node SLURM test cluster (bash tests/slurm/cluster.sh start)")
+
+
+class Job:
+    def __init__(self, job_id: str, root: Path) -> None:
+        self.id = job_id
+        self.root = root
+
+    @property
+    def log(self) -> str:
+        found = list((self.root / "logs").glob(f"*-{self.id}/job.log"))
+        return found[0].read_text() if found else ""
+
+    def info(self) -> dict[str, str]:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", self.id], capture_output=True, text=True, check=True
+        ).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def wait_until(self, predicate, what: str, timeout: float = 240) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.info()
+            if predicate(info):
+                return info
+            time.sleep(0.3)
+        raise AssertionError(f"job {self.id}: {what} did not happen in time\n{self.log[-3000:]}")
+
+    def finish(self) -> dict[str, str]:
+        """Wait for the end; a requeued job (held ~2 minutes by SLURM) is released early. Not
+        at once: slurmd refuses a job whose credential is not newer than the revocation of
+        its previous run, to the second ("Job credential revoked")."""
+        held_since = None
+
+        def done(info):
+            nonlocal held_since
+            if info["JobState"] == "PENDING" and info.get("Reason") == "BeginTime":
+                held_since = held_since or time.monotonic()
+                if time.monotonic() - held_since > 2.5:
+                    subprocess.run(
+                        ["scontrol", "update", f"JobId={self.id}", "StartTime=now"], check=True
+                    )
+            return info["JobState"] in TERMINAL
+
+        return self.wait_until(done, "the end of the job")
+
+
+def overrides(tokenizer, manifest, out: Path, *extra: str) -> list[str]:
+    return [
+        f"data.tokenizer={tokenizer}",
+        f"data.sources=[{{manifest: {manifest}}}]",
+        "eval.sources=[]",
+        f"train.steps={STEPS}",
+        "train.log_interval=10",
+        "logging.wandb=disabled",
+        f"output_dir={out}",
+        *extra,
+    ]
+
+
+def sbatch(root: Path, args: list[str], *, wait: bool = False, **env: str):
+    command = [
+        "sbatch",
+        "--parsable",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=0",
+        f"--output={root}/slurm-%j.out",
+        *(["--wait"] if wait else []),
+        "launch/slurm/train.sbatch",
+        "configs/tiny_cpu.yaml",
+        *args,
+    ]
+    environment = {
+        **os.environ,
+        "DEL_PYTHON": sys.executable,
+        "DEL_LOG_DIR": str(root / "logs"),
+        "DEL_EXIT_GRACE": "30",
+        **env,
+    }
+    proc = subprocess.run(
+        command, cwd=ROOT, env=environment, capture_output=True, text=True, check=False
+    )
+    job_id = proc.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), proc.stderr
+    return Job(job_id, root), proc.returncode
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_for_step(job: Job, out: Path, step: int) -> None:
+    def reached(info):
+        assert info["JobState"] in ("PENDING", "RUNNING"), job.log[-3000:]
+        path = out / "metrics.jsonl"
+        return path.is_file() and len(path.read_text().splitlines()) >= step
+
+    job.wait_until(reached, f"step {step}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(synth_tokenizer, synth_shards, tmp_path_factory):
+    """sbatch --wait of the whole run: exit 0, a checkpoint, the log in the job's directory."""
+    root = tmp_path_factory.mktemp("slurm-straight")
+    out = root / "run"
+    job, status = sbatch(root, overrides(synth_tokenizer, synth_shards, out), wait=True)
+    assert status == 0, job.log[-3000:]
+    assert (out / "checkpoints" / f"step-{STEPS:07d}" / "meta.json").is_file()
+    assert "train.sbatch: finished" in job.log
+    assert f"0: step {STEPS}/{STEPS}" in job.log
+    assert "1 node(s)" not in job.log and "2 node(s), 2 rank(s)" in job.log
+    return [row["loss"] for row in metrics(out)]
+
+
+def test_two_nodes_train_to_the_end(uninterrupted):
+    assert len(uninterrupted) == STEPS
+
+
+def check_resumed_exactly(job: Job, out: Path, uninterrupted: list[float]) -> None:
+    info = job.finish()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.log[-3000:]
+    assert info["Restarts"] == "1"
+    log = job.log
+    assert "stopped on request, checkpoint saved: requeueing" in log
+    stopped = int(re.search(r"checkpoint of step (\d+) saved", log).group(1))
+    assert 1 <= stopped < STEPS
+    assert f"resumed from {out}/checkpoints/step-{stopped:07d} at step {stopped}" in log
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # every step once
+    assert [row["loss"] for row in rows] == uninterrupted  # bit for bit
+
+
+def test_preemption_signal_to_the_batch_shell(
+    synth_tokenizer, synth_shards, tmp_path, uninterrupted
+):
+    out = tmp_path / "run"
+    job, _ = sbatch(tmp_path, overrides(synth_tokenizer, synth_shards, out))
+    wait_for_step(job, out, 3)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job.id], check=True)
+    check_resumed_exactly(job, out, uninterrupted)
+    assert "received SIGUSR1: forwarding to every rank" in job.log
+
+
+def rank_process(job: Job, rank: int) -> psutil.Process:
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            env = proc.environ()
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if (
+            env.get("SLURM_JOB_ID") == job.id
+            and env.get("SLURM_PROCID") == str(rank)
+            and "del_megatron.cli.train" in " ".join(proc.info["cmdline"] or [])
+        ):
+            return proc
+    raise AssertionError(f"no process of rank {rank} in job {job.id}")
+
+
+def test_preemption_signal_to_one_node_only(synth_tokenizer, synth_shards, tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    job, _ = sbatch(tmp_path, overrides(synth_tokenizer, synth_shards, out))
+    wait_for_step(job, out, 3)
+    rank_process(job, 1).send_signal(signal.SIGUSR1)  # node n2's rank; rank 0 gets nothing
+    check_resumed_exactly(job, out, uninterrupted)
+    assert "forwarding" not in job.log
+
+
+def test_restart_cap_stops_requeueing(synth_tokenizer, synth_shards, tmp_path):
+    out = tmp_path / "run"
+    job, _ = sbatch(tmp_path, overrides(synth_tokenizer, synth_shards, out), DEL_MAX_RESTARTS="0")
+    wait_for_step(job, out, 2)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job.id], check=True)
+    info = job.finish()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "75:0", job.log[-3000:]
+    assert info["Restarts"] == "0"
+    assert "not requeued; resubmit to continue" in job.log
+    assert len(list((out / "checkpoints").glob("step-*"))) == 1
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("train.steps=-3", "train.steps: Input should be greater than 0"),
+        ("data.sources=[{manifest: /nowhere/manifest.json}]", "/nowhere/manifest.json"),
+    ],
+    ids=["bad-config", "missing-data"],
+)
+def test_mistakes_fail_fast_without_requeue(
+    override, expected, synth_tokenizer, synth_shards, tmp_path
+):
+    job, _ = sbatch(
+        tmp_path, [*overrides(synth_tokenizer, synth_shards, tmp_path / "run"), override]
+    )
+    info = job.finish()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", job.log[-3000:]
+    assert info["Restarts"] == "0"
+    lines = [line for line in job.log.splitlines() if "del-train: error:" in line]
+    assert lines and expected in lines[0], job.log[-3000:]
+    assert "Traceback" not in job.log
+    assert "del-train exited with status 2: not requeued" in job.log
+
+
+def test_dry_run_resolves_rendezvous_and_container(tmp_path):
+    job, _ = sbatch(
+        tmp_path,
+        ["train.steps=5"],
+        DEL_DRY_RUN="1",
+        DEL_CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:25.09-py3",
+    )
+    info = job.finish()
+    assert info["ExitCode"] == "0:0", job.log
+    log = job.log
+    assert f"rendezvous 127.0.0.1:{20000 + int(job.id) % 20000}" in log  # n1's NodeAddr
+    assert "--container-image=nvcr.io#nvidia/pytorch:25.09-py3" in log
+    assert f"--container-mounts={ROOT}:{ROOT}" in log
+    assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume auto" in log
