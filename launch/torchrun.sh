@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Continued pretraining on one node: torchrun with one process per GPU (or N CPU processes).
+#
+#   bash launch/torchrun.sh [--nproc-per-node N] [--dry-run] CONFIG [section.field=value ...]
+#
+# N defaults to the GPUs nvidia-smi lists (1 without a GPU). The run resumes from the newest
+# checkpoint in its output_dir (--resume auto), so after a stop the same command continues.
+# SIGTERM or SIGUSR1 to this script (`docker stop` sends SIGTERM to it as the container's
+# first process) goes straight to every rank: they agree, save a checkpoint and exit, and
+# this script exits 75 ("stopped, run me again"). The ranks are signalled directly because
+# torchrun dies on SIGUSR1 unless told otherwise, and kills its ranks 30 s after a SIGTERM,
+# which can cut a checkpoint short (DEL_SHUTDOWN_TIMEOUT raises that, default 900 s, where
+# the installed torchrun allows it). --dry-run prints the command instead of running it.
+# Environment: DEL_PYTHON (interpreter; default .venv/bin/python if present, else python3).
+set -euo pipefail
+
+nproc=""
+dry_run=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --nproc-per-node | --nproc_per_node) nproc=$2; shift 2 ;;
+    --nproc-per-node=* | --nproc_per_node=*) nproc=${1#*=}; shift ;;
+    --dry-run) dry_run=1; shift ;;
+    -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "torchrun.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
+if [ $# -lt 1 ]; then
+  echo "usage: bash launch/torchrun.sh [--nproc-per-node N] [--dry-run] CONFIG [overrides ...]" >&2
+  exit 2
+fi
+config=$1
+shift
+if [ ! -f "$config" ]; then
+  echo "torchrun.sh: config file not found: $config" >&2
+  exit 2
+fi
+if [ -z "$nproc" ]; then
+  nproc=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+  [ "$nproc" -gt 0 ] || nproc=1
+fi
+case $nproc in
+  '' | *[!0-9]* | 0) echo "torchrun.sh: --nproc-per-node must be a positive integer, got '$nproc'" >&2; exit 2 ;;
+esac
+
+if [ -n "${DEL_PYTHON:-}" ]; then
+  python=$DEL_PYTHON
+elif [ -x .venv/bin/python ]; then
+  python=.venv/bin/python
+else
+  python=python3
+fi
+
+STOPPED=75 # del-train's exit status for "stopped on request, checkpoint saved"
+launcher=("$python" -m torch.distributed.run --standalone "--nproc-per-node=$nproc")
+if "$python" -m torch.distributed.run --help 2>/dev/null | grep -q -- '--shutdown[-_]timeout'; then
+  launcher+=("--shutdown-timeout=${DEL_SHUTDOWN_TIMEOUT:-900}")
+fi
+command=("${launcher[@]}" -m del_megatron.cli.train --config "$config" --resume auto "$@")
+
+if [ "$dry_run" = 1 ]; then
+  printf '%q ' "${command[@]}"
+  echo
+  exit 0
+fi
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
+"${command[@]}" &
+launcher_pid=$!
+stop_signal=""
+interrupted=0
+# shellcheck disable=SC2329 # called by the traps below
+forward() {
+  stop_signal=$1
+  interrupted=1
+  echo "torchrun.sh: SIG$1: every rank saves a checkpoint and stops" >&2
+  pkill "-$1" -P "$launcher_pid" || true # the ranks are torchrun's children
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+while :; do
+  interrupted=0
+  status=0
+  wait "$launcher_pid" || status=$?
+  [ "$interrupted" = 1 ] || break # else wait was cut short by a signal: wait again
+done
+if [ -n "$stop_signal" ] && [ "$status" != 0 ]; then
+  echo "torchrun.sh: stopped on request; run the same command again to continue" >&2
+  exit "$STOPPED"
+fi
+exit "$status"
