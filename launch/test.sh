@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The test command: set up .venv, lint, run the whole suite (slow multi-process tests too).
-# Extra arguments go to pytest, e.g. `bash launch/test.sh -m "not slow"`.
+# The test command: set up .venv, lint (Python, shell scripts, the Dockerfile), run the whole
+# suite (slow multi-process tests too). Extra arguments go to pytest, e.g.
+# `bash launch/test.sh -m "not slow"`. The SLURM launch tests run when a test cluster answers
+# (bash tests/slurm/cluster.sh start; CI starts one) and are skipped otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash launch/setup_env.sh
 .venv/bin/ruff check .
+.venv/bin/shellcheck launch/*.sh launch/slurm/train.sbatch docker/entrypoint.sh tests/slurm/cluster.sh .ci/run
+.venv/bin/hadolint docker/Dockerfile
 .venv/bin/python -m pytest "$@"
