@@ -17,8 +17,10 @@ HOST=$(hostname -s)
 
 install() {
   if ! command -v slurmctld >/dev/null || ! command -v sbatch >/dev/null; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmd slurmctld slurm-client munge \
-      >/dev/null
+    local packages=(slurmd slurmctld slurm-client munge)
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q "${packages[@]}" >/dev/null ||
+      { apt-get update -q >/dev/null && apt-get install -y -q "${packages[@]}" >/dev/null; }
   fi
 }
 
