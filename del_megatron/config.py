@@ -92,6 +92,9 @@ class InitConfig(_Section):
     hf: str | None = None
     """Start from a Hugging Face checkpoint directory (config.json + safetensors); its
     tokenizer becomes the run's unless data.tokenizer is set."""
+    hf_hub_id: str | None = None
+    """Where init.hf comes from on the Hugging Face hub (e.g. mistralai/Mistral-7B-v0.1):
+    named in the message when init.hf does not exist. Nothing is downloaded by del-train."""
     megatron: str | None = None
     """Start from a del-megatron weights directory (del-convert output or a checkpoint)."""
 
@@ -157,6 +160,13 @@ class RunConfig(_Section):
                 "data.tokenizer: required field missing (or set init.hf / "
                 "init.megatron, whose tokenizer is then used)"
             )
+        window = self.model.sliding_window
+        if window is not None and self.train.seq_len > window:
+            raise ValueError(
+                f"train.seq_len={self.train.seq_len} exceeds model.sliding_window={window}: the "
+                "original model attends to the last sliding_window tokens only, which training "
+                "here does not reproduce; lower train.seq_len"
+            )
         if self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr={self.optim.min_lr} exceeds optim.lr={self.optim.lr}")
         return self
@@ -167,10 +177,10 @@ class RunConfig(_Section):
         """data.tokenizer, else the tokenizer shipped with the initial weights."""
         if self.data.tokenizer:
             return self.data.tokenizer
-        from .models.hf import tokenizer_in, weights_tokenizer
+        from .models.weight_files import tokenizer_in, tokenizer_of_weights
 
         found = (
-            tokenizer_in(self.init.hf) if self.init.hf else weights_tokenizer(self.init.megatron)
+            tokenizer_in(self.init.hf) if self.init.hf else tokenizer_of_weights(self.init.megatron)
         )
         if found is None:
             where = self.init.hf or self.init.megatron

@@ -1,12 +1,14 @@
 """del-convert: Hugging Face <-> del-megatron weights.
 
     del-convert hf-to-megatron --hf DIR --out DIR --tp N
-    del-convert megatron-to-hf --checkpoint DIR --out DIR [--model-type llama|mistral|qwen2]
+    del-convert megatron-to-hf --checkpoint DIR --out DIR [--dtype float32|bfloat16|float16]
 
 A del-megatron weights directory holds model/tpNN.safetensors (one per tensor-parallel
 rank), arch.json and the tokenizer; every training checkpoint contains one, and
-`del-train ... init.megatron=DIR` or `init.hf=DIR` starts a run from such weights.
-Mistakes print one line and exit with status 2.
+`del-train ... init.megatron=DIR` or `init.hf=DIR` starts a run from such weights. The export
+writes the model type the weights came from (arch.json) and, unless --dtype says otherwise,
+the dtype they were trained in. Both read a tensor at a time and write the output directory
+completely or not at all. Mistakes print one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -15,61 +17,75 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..models.hf import (
-    ConversionError,
-    architecture_from_hf,
-    hf_config,
-    hf_to_megatron,
-    megatron_to_hf,
-    read_hf_checkpoint,
-    read_weights,
-    shard_state,
+from ..models.hf_config import ConversionError, architecture_from_hf, hf_config
+from ..models.hf_tensors import check_hf_tensors, hf_tensors, megatron_names, rank_shard
+from ..models.weight_files import (
+    DTYPES,
+    HFCheckpoint,
+    HFWriter,
+    MegatronWeights,
     tokenizer_in,
-    unshard_state,
-    weights_tokenizer,
-    write_hf_checkpoint,
     write_weights,
 )
 
 
-def hf_to_megatron_cmd(args: argparse.Namespace) -> None:
-    config, tensors = read_hf_checkpoint(args.hf)
-    arch = architecture_from_hf(config, divisible_by=args.divisible_by)
-    arch.check_tensor_parallel(args.tp)
-    full = hf_to_megatron(tensors, arch, arch.padded_vocab_size(args.tp))
-    shards = [shard_state(full, r, args.tp) for r in range(args.tp)]
-    write_weights(args.out, shards, arch, tokenizer_in(args.hf))
-    print(f"{args.hf} -> {args.out}/model ({args.tp} tensor-parallel shards)")
-
-
-def megatron_to_hf_cmd(args: argparse.Namespace) -> None:
-    arch, shards = read_weights(args.checkpoint)
-    tensors = megatron_to_hf(unshard_state(shards), arch)
-    tokenizer = weights_tokenizer(args.checkpoint)
-    write_hf_checkpoint(
-        args.out,
-        hf_config(arch, args.model_type),
-        tensors,
-        tokenizer_dir=tokenizer.parent if tokenizer else None,
+def hf_to_megatron_cmd(args: argparse.Namespace) -> str:
+    checkpoint = HFCheckpoint(args.hf)
+    arch = architecture_from_hf(checkpoint.config, divisible_by=args.divisible_by)
+    check_hf_tensors(checkpoint.shapes, arch)
+    try:
+        arch.check_tensor_parallel(args.tp)
+    except ValueError as err:
+        raise ConversionError(f"--tp {args.tp}: {err}") from None
+    padded = arch.padded_vocab_size(args.tp)
+    names = megatron_names(arch)
+    shards = (  # one rank in memory at a time
+        {n: rank_shard(checkpoint.read, n, arch, padded, rank, args.tp) for n in names}
+        for rank in range(args.tp)
     )
-    print(f"{args.checkpoint} -> {args.out} ({args.model_type})")
+    write_weights(args.out, shards, arch, tokenizer_in(args.hf))
+    return f"{args.hf} -> {args.out}/model ({arch.family}, {args.tp} tensor-parallel shards)"
+
+
+def megatron_to_hf_cmd(args: argparse.Namespace) -> str:
+    weights = MegatronWeights(args.checkpoint)
+    arch = weights.arch
+    dtype_name = args.dtype or weights.dtype
+    dtype = DTYPES[dtype_name]
+    writer = HFWriter(args.out)
+    for name in megatron_names(arch):  # a tensor at a time
+        for hf_name, tensor in hf_tensors(name, weights.full(name), arch):
+            writer.add(hf_name, tensor.to(dtype))
+    tokenizer = weights.tokenizer()
+    writer.finish(hf_config(arch, dtype_name), tokenizer.parent if tokenizer else None)
+    return f"{args.checkpoint} -> {args.out} ({arch.family}, {dtype_name})"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="del-convert", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("hf-to-megatron")
-    a.add_argument("--hf", type=Path, required=True)
+    a = sub.add_parser("hf-to-megatron", help="a Hugging Face checkpoint -> a weights directory")
+    a.add_argument("--hf", type=Path, required=True, help="Hugging Face checkpoint directory")
     a.add_argument("--out", type=Path, required=True)
-    a.add_argument("--tp", type=int, default=1)
+    a.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size")
     a.add_argument(
         "--divisible-by",
-        type=int,
+        type=_positive,
         default=128,
         help="pad the vocabulary to a multiple of this x tp",
     )
     a.set_defaults(func=hf_to_megatron_cmd)
-    b = sub.add_parser("megatron-to-hf")
+    b = sub.add_parser("megatron-to-hf", help="a checkpoint or weights directory -> Hugging Face")
     b.add_argument(
         "--checkpoint",
         type=Path,
@@ -77,12 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a training checkpoint or hf-to-megatron output directory",
     )
     b.add_argument("--out", type=Path, required=True)
-    b.add_argument("--model-type", default="llama", choices=["llama", "mistral", "qwen2"])
+    b.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="weights dtype (default: the training dtype)"
+    )
     b.set_defaults(func=megatron_to_hf_cmd)
     args = parser.parse_args(argv)
     try:
-        args.func(args)
-    except (ConversionError, ValueError) as err:
+        print(args.func(args))
+    except ConversionError as err:
         print(f"del-convert {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0

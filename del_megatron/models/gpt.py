@@ -31,7 +31,7 @@ class NumericLossGPTModel(GPTModel):
     def freeze_emo_cost_embedding(self) -> None:
         """Take EMO's cost embedding from the current output weights (this rank's rows).
         Called on the first loss if not before; call it after loading weights to be explicit."""
-        self.emo_cost_embedding = emo_cost_embedding(self.output_layer.weight)
+        self.emo_cost_embedding = emo_cost_embedding(self.shared_embedding_or_output_weight())
 
     def forward(self, *args, loss_mask: torch.Tensor | None = None, **kwargs):
         self._loss_mask = loss_mask

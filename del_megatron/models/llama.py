@@ -1,10 +1,10 @@
 """Llama-family architectures (Llama/CodeLlama, Mistral, Qwen-2.5, DeepSeek) as megatron-core
-GPTModels: RMSNorm, SwiGLU, RoPE, grouped-query attention, untied embeddings, optional QKV
-bias, vocabulary padded for tensor parallelism."""
+GPTModels: RMSNorm, SwiGLU, RoPE (optionally Llama-3.1-scaled), grouped-query attention,
+tied or untied embeddings, optional QKV bias, vocabulary padded for tensor parallelism."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -13,12 +13,18 @@ from ..losses import DigitVocab, NumericLossConfig
 from .device import apply_device_shims, gpt_layer_spec, transformer_config_overrides
 from .gpt import NumericLossGPTModel
 
+Family = Literal["llama", "mistral", "qwen2"]
+
 
 class LlamaArchitecture(BaseModel):
-    """Shape of a Llama-family decoder."""
+    """Shape of a Llama-family decoder: every field that changes the computation."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    family: Family = "llama"
+    """Hugging Face model_type the weights come from and are exported as (llama covers
+    Llama-2, CodeLlama and DeepSeek's Llama architecture; mistral adds a sliding window;
+    qwen2 a QKV bias)."""
     vocab_size: int = Field(gt=0)
     """Tokens of the tokenizer (before padding)."""
     hidden_size: int = Field(gt=0)
@@ -27,20 +33,30 @@ class LlamaArchitecture(BaseModel):
     num_attention_heads: int = Field(gt=0)
     num_query_groups: int = Field(gt=0)
     """Key/value heads (grouped-query attention); = num_attention_heads for plain MHA."""
+    head_dim: int | None = Field(default=None, gt=0)
+    """Channels per attention head; unset: hidden_size / num_attention_heads."""
     max_position_embeddings: int = Field(gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)
+    rope_scaling_factor: float | None = Field(default=None, gt=0)
+    """Llama-3.1-style RoPE frequency scaling with this factor (low/high frequency factors
+    1 and 4, original context 8192: the only variant megatron-core implements); unset: none."""
+    sliding_window: int | None = Field(default=None, gt=0)
+    """Attention window of the original model (Mistral). Training needs train.seq_len within
+    it, where the window never binds; unset: full attention."""
     norm_epsilon: float = Field(default=1e-5, gt=0)
     qkv_bias: bool = False
     """Bias on the query/key/value projection (Qwen-2)."""
+    tie_word_embeddings: bool = False
+    """One matrix for the input embedding and the output layer (Qwen2.5-1.5B)."""
     make_vocab_size_divisible_by: int = Field(default=128, gt=0)
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
 
     @model_validator(mode="after")
     def _check(self) -> LlamaArchitecture:
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                f"{self.num_attention_heads}"
+                f"{self.num_attention_heads} (set head_dim)"
             )
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
@@ -48,6 +64,10 @@ class LlamaArchitecture(BaseModel):
                 f"num_query_groups {self.num_query_groups}"
             )
         return self
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel
@@ -72,7 +92,7 @@ def transformer_config(arch: LlamaArchitecture, device: torch.device, **override
         "ffn_hidden_size": arch.ffn_hidden_size,
         "num_attention_heads": arch.num_attention_heads,
         "num_query_groups": arch.num_query_groups,
-        "kv_channels": arch.hidden_size // arch.num_attention_heads,
+        "kv_channels": arch.kv_channels,
         "normalization": "RMSNorm",
         "layernorm_epsilon": arch.norm_epsilon,
         "gated_linear_unit": True,
@@ -108,13 +128,18 @@ def build_llama(
         transformer_layer_spec=gpt_layer_spec(device),
         vocab_size=arch.padded_vocab_size(tp),
         max_sequence_length=arch.max_position_embeddings,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(arch.rope_theta),
+        rotary_base=arch.rope_theta,  # a float: int() would change a fractional theta
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         digit_vocab=digit_vocab,
         loss_config=loss_config,
     )
-    return apply_device_shims(model, device).to(device)
+    model = apply_device_shims(model, device)
+    if any(p.is_meta for p in model.parameters()):
+        return model  # built under torch.device("meta"): shapes without memory, for checks
+    return model.to(device)
 
 
 def _tp_size() -> int:

@@ -1,21 +1,78 @@
-"""Tensor-parallel sharding of full (TP = 1) megatron-core tensors, from the attributes
-megatron-core sets on each parameter (partition_dim, partition_stride)."""
+"""Tensor-parallel split and merge of megatron-core tensors: the one place that knows how a
+full (TP 1) tensor is cut into ranks' shards and put back together.
+
+A parameter is partitioned along `dim` in `world * stride` chunks, rank r taking chunks
+r, r + world, ... (stride 2 for SwiGLU's fused [gate; up], so rank r holds [gate_r; up_r]):
+the split megatron-core's CPU initialization uses. Which parameters are partitioned, and
+how, comes from the attributes megatron-core sets (`partition_dim`, `partition_stride`) or,
+without a model, from PARTITIONS (a test checks the table against a built model).
+"""
 
 from __future__ import annotations
 
 import torch
 
+# (partition dim, stride) of megatron-core's tensor-parallel parameters by name suffix; the
+# others (norms) are replicated on every rank.
+PARTITIONS = {
+    "embedding.word_embeddings.weight": (0, 1),
+    "output_layer.weight": (0, 1),
+    "self_attention.linear_qkv.weight": (0, 1),
+    "self_attention.linear_qkv.bias": (0, 1),
+    "self_attention.linear_proj.weight": (1, 1),
+    "mlp.linear_fc1.weight": (0, 2),
+    "mlp.linear_fc2.weight": (1, 1),
+}
+Partition = tuple[int, int] | None
 
-def shard_like(full: torch.Tensor, param: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's part of `full` for a parameter laid out like `param`.
 
-    With stride k (SwiGLU's fused gate/up uses 2) the partition dim is cut into k * world
-    chunks and rank r takes chunks r, r + world, ...: the same split megatron-core's CPU
-    initialization uses, so [gate; up] becomes [gate_r; up_r] on rank r.
-    """
-    if not getattr(param, "tensor_model_parallel", False) or world == 1:
+def partition_of(name: str) -> Partition:
+    """(dim, stride) of a megatron parameter name, None if replicated."""
+    for suffix, partition in PARTITIONS.items():
+        if name.endswith(suffix):
+            return partition
+    return None
+
+
+def partition_of_param(param: torch.Tensor) -> Partition:
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    return param.partition_dim, getattr(param, "partition_stride", 1)
+
+
+def split(full: torch.Tensor, partition: Partition, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s shard of `full`."""
+    if partition is None or world == 1:
         return full
-    dim = param.partition_dim
-    stride = getattr(param, "partition_stride", 1)
+    dim, stride = partition
     chunk = full.shape[dim] // (world * stride)
-    return torch.cat(torch.split(full, chunk, dim=dim)[rank::world], dim=dim)
+    return torch.cat(torch.split(full, chunk, dim=dim)[rank::world], dim=dim).contiguous()
+
+
+def merge(shards: list[torch.Tensor], partition: Partition) -> torch.Tensor:
+    """The full tensor from every rank's shard (inverse of `split`)."""
+    if partition is None or len(shards) == 1:
+        return shards[0]
+    dim, stride = partition
+    chunks = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([chunks[r][k] for k in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def gather_full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full (TP 1 layout) float32 state of a tensor-parallel model, on every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, param in model.named_parameters():
+        data = param.detach().float().contiguous()
+        partition = partition_of_param(param)
+        if world == 1 or partition is None:
+            out[name] = data.cpu()
+            continue
+        parts = [torch.empty_like(data) for _ in range(world)]
+        dist.all_gather(parts, data, group=group)
+        out[name] = merge(parts, partition).cpu()
+    return out

@@ -101,27 +101,24 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
 
 def _save_weights(run: Any, directory: Path) -> None:
     """model/tpNN.safetensors from data-parallel rank 0 of each tensor-parallel rank (ZeRO-3
-    parameters gathered first), arch.json and the tokenizer: what del-convert megatron-to-hf
-    and init.megatron read, safe to load (safetensors, no pickle)."""
-    import shutil
-
+    parameters gathered first), in the training dtype with canonical (local-spec) names,
+    arch.json and the tokenizer: what del-convert megatron-to-hf and init.megatron read,
+    safe to load (safetensors, no pickle)."""
     import deepspeed
     from megatron.core import parallel_state
-    from safetensors.torch import save_file
+
+    from ..models.weight_files import WEIGHTS, write_rank_weights, write_weights_record
 
     module = run.engine.module
     params = list(module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=run.cfg.parallel.zero_stage == 3):
         if run.dp_rank == 0:
-            out = directory / "model"
+            out = directory / WEIGHTS
             out.mkdir(exist_ok=True)
             tp_rank = parallel_state.get_tensor_model_parallel_rank()
-            state = {n: p.detach().float().cpu().contiguous() for n, p in module.named_parameters()}
-            save_file(state, str(out / f"tp{tp_rank:02d}.safetensors"))
+            write_rank_weights(out, tp_rank, dict(module.named_parameters()))
             if run.is_main:
-                (out / "arch.json").write_text(run.cfg.model.model_dump_json(indent=1))
-                tokenizer = Path(run.cfg.tokenizer_path())
-                shutil.copy(tokenizer, out / tokenizer.name)
+                write_weights_record(out, run.cfg.model, run.cfg.tokenizer_path())
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

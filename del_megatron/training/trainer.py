@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..config import ConfigError, RunConfig, deepspeed_config
 from ..data import DataConfig, StreamingLoader
 from ..models.device import recompute_overrides, resolve_device, select_accelerator
+from .initial_weights import initialize_weights
 from .metrics import PairSum, Reporter
 from .schedule import lr_factor
 from .signals import StopRequest
@@ -136,38 +137,6 @@ def setup(cfg: RunConfig) -> Run:
         tokenizer=tokenizer,
         flops_per_token=float(flops),
     )
-
-
-def initialize_weights(cfg: RunConfig, model: torch.nn.Module) -> None:
-    """Load init.hf / init.megatron weights into this rank's shards (checked against
-    cfg.model field by field)."""
-    from ..models import hf
-
-    if cfg.init.hf:
-        config, tensors = hf.read_hf_checkpoint(cfg.init.hf)
-        arch = hf.architecture_from_hf(config, divisible_by=cfg.model.make_vocab_size_divisible_by)
-        where = cfg.init.hf
-    elif cfg.init.megatron:
-        arch, shards = hf.read_weights(cfg.init.megatron)
-        where = cfg.init.megatron
-    else:
-        return
-    for name, value in arch.model_dump().items():
-        if name != "make_vocab_size_divisible_by" and getattr(cfg.model, name) != value:
-            raise ConfigError(
-                f"model.{name}={getattr(cfg.model, name)} but {where} has "
-                f"{value} (another architecture?)"
-            )
-    tp = cfg.parallel.tensor_parallel
-    if cfg.init.hf:
-        full = hf.hf_to_megatron(tensors, arch, cfg.model.padded_vocab_size(tp))
-    else:
-        full = hf.unshard_state(shards)
-        rows = full["embedding.word_embeddings.weight"].shape[0]
-        if rows != cfg.model.padded_vocab_size(tp):  # padded for another TP size
-            exported = hf.megatron_to_hf(full, arch)
-            full = hf.hf_to_megatron(exported, arch, cfg.model.padded_vocab_size(tp))
-    hf.load_into(model, full)
 
 
 def data_config(

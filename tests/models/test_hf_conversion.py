@@ -1,93 +1,183 @@
-"""Hugging Face import/export: tiny random Llama, Mistral and Qwen-2 models built offline;
-imported at TP 1 and TP 2 their logits equal transformers' within 1e-5 (float32); export
-reloads in transformers with identical tensors; import -> export -> import is the identity."""
+"""Hugging Face import/export against tiny random models saved by the installed transformers:
+every supported variant (MHA, CodeLlama's rope theta, Llama-3 rope scaling, a head_dim of
+its own, Mistral, Qwen-2 with QKV bias, Qwen-2 with tied embeddings) imported at TP 1 and
+TP 2 gives transformers' logits within 1e-5 (float32) and exports to a checkpoint that
+transformers loads as the same class with the same logits; fields that would change the
+math are refused with one line naming them."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
 
-from del_megatron.models.hf import ConversionError, read_hf_checkpoint
+from del_megatron.cli.convert import main as convert
+from del_megatron.models.hf_tensors import spec_name
+from del_megatron.models.weight_files import HFCheckpoint
 
 from ..distributed.launcher import run_torchrun
-
-CONFIGS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
-}
+from .tiny_hf import VARIANTS, tiny_hf_model
 
 
-def tiny_hf_model(model_type: str, directory):
-    import transformers
-
-    config_cls, model_cls, extra = CONFIGS[model_type]
-    config = getattr(transformers, config_cls)(
-        vocab_size=120,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        **extra,
-    )
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).float().eval()
-    with torch.no_grad():  # non-trivial norms and biases
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
+def logits_of(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", sorted(CONFIGS))
-def test_import_export_parity(model_type, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_import_export_parity_for_every_variant(tp, tmp_path):
     import transformers
 
-    hf = tiny_hf_model(model_type, tmp_path / "hf")
     tokens = torch.randint(0, 120, (2, 17), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = hf(tokens).logits
-    torch.save({"tokens": tokens, "logits": logits}, tmp_path / "expected.pt")
-    for tp in (1, 2):
-        out = run_torchrun(
-            "hf_parity.py",
-            tp,
-            str(tmp_path / "hf"),
-            str(tmp_path / "expected.pt"),
-            str(tmp_path / f"export-tp{tp}"),
-        )
-        assert f"OK {model_type} at TP {tp}" in out
-        reloaded = (
-            getattr(transformers, CONFIGS[model_type][1])
-            .from_pretrained(tmp_path / f"export-tp{tp}")
-            .float()
-        )
-        original = dict(hf.state_dict())
-        for name, tensor in reloaded.state_dict().items():
-            assert torch.equal(tensor, original[name]), name
+    args, originals = [], {}
+    for variant in VARIANTS:
+        model = tiny_hf_model(variant, tmp_path / variant)
+        originals[variant] = (type(model), logits_of(model, tokens))
+        torch.save({"tokens": tokens, "logits": originals[variant][1]}, tmp_path / f"{variant}.pt")
+        args += [
+            str(tmp_path / variant),
+            str(tmp_path / f"{variant}.pt"),
+            str(tmp_path / f"{variant}-out"),
+        ]
+    output = run_torchrun("hf_parity.py", tp, *args)
+    for variant, (cls, expected) in originals.items():
+        assert f"at TP {tp} {tmp_path / variant}" in output, variant
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{variant}-out")
+        assert type(reloaded) is cls, variant
+        got = logits_of(reloaded.float().eval(), tokens)
+        assert torch.allclose(got, expected, atol=1e-5), variant
 
 
-def test_bad_checkpoints_name_the_file(tmp_path):
+def write_config(directory, **changes):
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 2.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+}
+
+
+@pytest.mark.parametrize(
+    ("variant", "changes", "expected"),
+    [
+        ("llama-mha", {"attention_bias": True}, "attention_bias=True is not supported"),
+        ("llama-mha", {"mlp_bias": True}, "mlp_bias=True is not supported"),
+        ("llama-mha", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ("llama-mha", {"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
+        (
+            "llama-mha",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            "rope_type='dynamic' is not supported",
+        ),
+        (
+            "llama-mha",
+            {"rope_parameters": LLAMA3, "max_position_embeddings": 16384},
+            "rope high_freq_factor=2.0 is not supported",
+        ),
+        (
+            "llama-mha",
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            "partial_rotary_factor=0.5 is not supported",
+        ),
+        ("llama-mha", {"model_type": "gemma"}, "model_type 'gemma' is not one of"),
+        (
+            "llama-mha",
+            {"num_hidden_layers": 3},
+            "tensor model.layers.2.input_layernorm.weight is missing",
+        ),
+        (
+            "llama-mha",
+            {"intermediate_size": 80},
+            "has shape (96, 64), config.json implies (80, 64)",
+        ),
+    ],
+)
+def test_fields_that_change_the_math_are_refused(variant, changes, expected, tmp_path, capsys):
+    tiny_hf_model(variant, tmp_path / "hf")
+    write_config(tmp_path / "hf", **changes)
+    capsys.readouterr()  # transformers' own output while saving
+    status = convert(["hf-to-megatron", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.count("\n") == 1 and err.startswith("del-convert hf-to-megatron: error:"), err
+    assert expected in err, err
+    assert not (tmp_path / "m").exists()
+
+
+def test_legacy_config_layout_is_read(tmp_path, capsys):
+    """transformers 4.x layout: rope_theta and rope_scaling at the top level."""
+    model = tiny_hf_model("codellama", tmp_path / "hf")
+    write_config(tmp_path / "hf", rope_parameters=None, rope_theta=1e6, rope_scaling=None)
+    assert (
+        convert(
+            [
+                "hf-to-megatron",
+                "--hf",
+                str(tmp_path / "hf"),
+                "--out",
+                str(tmp_path / "m"),
+                "--divisible-by",
+                "64",
+            ]
+        )
+        == 0
+    )
+    assert json.loads((tmp_path / "m" / "model" / "arch.json").read_text())["rope_theta"] == 1e6
+    del model
+
+
+def test_extra_tensors_are_refused(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    tiny_hf_model("llama-mha", tmp_path / "hf")
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(tensors, str(path))
+    assert (
+        convert(["hf-to-megatron", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "m")]) == 2
+    )
+    assert "o_proj.bias (and 0 more) has no place in the model" in capsys.readouterr().err
+
+
+def test_bad_checkpoints_name_the_file(tmp_path, capsys):
+    from del_megatron.models.hf_config import ConversionError
+
     with pytest.raises(ConversionError, match="config.json: no such file"):
-        read_hf_checkpoint(tmp_path)
-    tiny_hf_model("llama", tmp_path / "hf")
+        HFCheckpoint(tmp_path)
+    tiny_hf_model("llama-mha", tmp_path / "hf")
     weights = tmp_path / "hf" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     with pytest.raises(ConversionError, match="model.safetensors: not a readable safetensors"):
-        read_hf_checkpoint(tmp_path / "hf")
+        HFCheckpoint(tmp_path / "hf")
 
 
-def test_convert_cli_round_trip_is_identity(tmp_path):
-    from del_megatron.cli.convert import main as convert
+def round_trip(tmp_path, variant: str, *export_args: str):
+    import transformers
 
-    hf = tiny_hf_model("qwen2", tmp_path / "hf")
+    model = tiny_hf_model(variant, tmp_path / "hf")
+    args = ["--divisible-by", "64"]
     assert (
         convert(
             [
@@ -98,8 +188,7 @@ def test_convert_cli_round_trip_is_identity(tmp_path):
                 str(tmp_path / "m"),
                 "--tp",
                 "2",
-                "--divisible-by",
-                "64",
+                *args,
             ]
         )
         == 0
@@ -108,6 +197,23 @@ def test_convert_cli_round_trip_is_identity(tmp_path):
         "tp00.safetensors",
         "tp01.safetensors",
     ]
+    return model, transformers
+
+
+def test_export_writes_the_original_model_type_and_training_dtype(tmp_path):
+    model, transformers = round_trip(tmp_path, "qwen2-tied")
+    out = tmp_path / "back"
+    assert convert(["megatron-to-hf", "--checkpoint", str(tmp_path / "m"), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["tie_word_embeddings"] is True
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(back) is type(model)
+    assert next(back.parameters()).dtype == torch.float32  # as stored (float32 weights)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    assert "lm_head.weight" not in HFCheckpoint(out).shapes  # tied: stored once
+
+    half = tmp_path / "bf16"
     assert (
         convert(
             [
@@ -115,22 +221,90 @@ def test_convert_cli_round_trip_is_identity(tmp_path):
                 "--checkpoint",
                 str(tmp_path / "m"),
                 "--out",
-                str(tmp_path / "back"),
-                "--model-type",
-                "qwen2",
+                str(half),
+                "--dtype",
+                "bfloat16",
             ]
         )
         == 0
     )
-    _, back = read_hf_checkpoint(tmp_path / "back")
-    for name, tensor in hf.state_dict().items():
-        assert torch.equal(back[name], tensor), name
+    assert json.loads((half / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+    stored = HFCheckpoint(half).read("model.norm.weight", None, None, None)
+    assert stored.dtype == torch.bfloat16
+    assert torch.equal(stored, model.state_dict()["model.norm.weight"].bfloat16())
+
+
+def test_transformer_engine_norm_names_export(tmp_path):
+    """Weights saved on GPU carry Transformer Engine's fused norm names."""
+    from safetensors.torch import load_file, save_file
+
+    model, transformers = round_trip(tmp_path, "mistral")
+    for path in (tmp_path / "m" / "model").glob("tp*.safetensors"):
+        tensors = load_file(str(path))
+        renamed = {spec_name(n, layer_norms_fused=True): t for n, t in tensors.items()}
+        assert any(n.endswith("linear_qkv.layer_norm_weight") for n in renamed)
+        save_file(renamed, str(path))
+    out = tmp_path / "back"
+    assert convert(["megatron-to-hf", "--checkpoint", str(tmp_path / "m"), "--out", str(out)]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+
+
+def test_convert_mistakes_are_one_line(tmp_path, capsys):
     assert (
         convert(
             ["megatron-to-hf", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]
         )
         == 2
     )
+    assert "arch.json: no such file" in capsys.readouterr().err
+    tiny_hf_model("llama-mha", tmp_path / "hf")
+    assert (
+        convert(
+            [
+                "hf-to-megatron",
+                "--hf",
+                str(tmp_path / "hf"),
+                "--out",
+                str(tmp_path / "m"),
+                "--tp",
+                "3",
+            ]
+        )
+        == 2
+    )
+    assert "--tp 3: num_attention_heads=4 is not divisible" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        convert(
+            [
+                "hf-to-megatron",
+                "--hf",
+                str(tmp_path / "hf"),
+                "--out",
+                str(tmp_path / "m"),
+                "--tp",
+                "0",
+            ]
+        )
+    assert exit_info.value.code == 2
+    assert "--tp: must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_init_hf_first_step_loss_equals_transformers(tmp_path, synth_tokenizer):
+    """init.hf of a tied-embedding Qwen2 model at TP 2: the first step's loss (before any
+    update) equals transformers' loss on the same batch."""
+    model = tiny_hf_model("qwen2-tied", tmp_path / "hf", vocab_size=800, max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 800, (2, 17), generator=gen)
+    with torch.no_grad():
+        loss = model(tokens, labels=tokens).loss  # mean CE of next-token predictions
+    torch.save({"tokens": tokens, "loss": loss}, tmp_path / "batch.pt")
+    output = run_torchrun(
+        "init_hf_loss.py", 2, str(tmp_path / "hf"), str(synth_tokenizer), str(tmp_path / "batch.pt")
+    )
+    assert "OK first-step loss" in output
 
 
 @pytest.mark.slow
@@ -138,11 +312,7 @@ def test_training_from_hf_weights_and_export(tmp_path, synth_tokenizer, synth_sh
     """init.hf: a transformers model (vocabulary of the run's tokenizer, which it ships)
     trains 2 steps at TP 2 with a vanishing learning rate; the checkpoint's weights exported
     with del-convert reload in transformers equal to the start."""
-    import shutil
-
     import transformers
-
-    from del_megatron.cli.convert import main as convert
 
     from ..distributed.launcher import ROOT
 
@@ -159,7 +329,7 @@ def test_training_from_hf_weights_and_export(tmp_path, synth_tokenizer, synth_sh
     )
     torch.manual_seed(0)
     start = transformers.LlamaForCausalLM(config).float()
-    start.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    start.save_pretrained(tmp_path / "hf")
     shutil.copy(synth_tokenizer, tmp_path / "hf" / "tokenizer.model")
     out = run_torchrun(
         "-m del_megatron.cli.train",

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from del_megatron.config import load_run_config
-from del_megatron.models.hf import gather_full
+from del_megatron.models.sharding import gather_full
 from del_megatron.training import checkpoint
 from del_megatron.training.trainer import setup, train_step
 

@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 
 from del_megatron import DigitVocab, NumericLossConfig
 from del_megatron.models import LlamaArchitecture, build_llama, loss_func
-from del_megatron.models.sharding import shard_like
+from del_megatron.models.sharding import partition_of_param, split
 from tests.utils import assert_close
 
 ARCH = LlamaArchitecture(
@@ -73,7 +73,7 @@ def main() -> None:
     sharded = build_llama(ARCH, VOCAB, cfg, cpu)
     with torch.no_grad():
         for name, param in sharded.named_parameters():
-            param.copy_(shard_like(weights[name], param, rank, world))
+            param.copy_(split(weights[name], partition_of_param(param), rank, world))
     loss, report = step(sharded, kind)
 
     assert_close(loss, full_loss, atol=1e-6, what="loss")
@@ -81,7 +81,7 @@ def main() -> None:
         assert_close(report[key], full_report[key], atol=1e-5, rtol=1e-6, what=f"report {key}")
     compared = 0
     for name, param in sharded.named_parameters():
-        expected = shard_like(grads[name], param, rank, world)
+        expected = split(grads[name], partition_of_param(param), rank, world)
         assert_close(param.grad, expected, atol=1e-5, what=f"grad {name}")
         compared += 1
     dist.barrier()

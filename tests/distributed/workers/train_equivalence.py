@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from del_megatron.config import parse_run_config
-from del_megatron.models.hf import gather_full
+from del_megatron.models.sharding import gather_full
 from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
 SEQ, MICRO, GLOBAL, VOCAB = 32, 2, 8, 800

@@ -1,0 +1,282 @@
+"""Weights on disk: Hugging Face checkpoint directories and del-megatron weights directories,
+read lazily (a tensor, or the slice of it a rank needs, at a time) and written atomically.
+
+Hugging Face: config.json, model.safetensors or model-XXXXX-of-YYYYY.safetensors with
+model.safetensors.index.json, tokenizer files.
+
+del-megatron (`<dir>/model/`, inside every training checkpoint and written by del-convert):
+tpNN.safetensors, one per tensor-parallel rank, canonical megatron names, in the training
+dtype; arch.json (LlamaArchitecture, the family included); the run's tokenizer file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .hf_config import ConversionError
+from .hf_tensors import canonical
+from .llama import LlamaArchitecture
+from .sharding import merge, partition_of, split
+
+WEIGHTS = "model"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _safe_open(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ConversionError(f"{path}: not a readable safetensors file ({err})") from None
+
+
+def _slice(handle, name: str, dim: int | None, start: int | None, stop: int | None):
+    view = handle.get_slice(name)
+    if dim is None:
+        return view[:]
+    index = [slice(None)] * len(view.get_shape())
+    index[dim] = slice(start, stop)
+    return view[tuple(index)]
+
+
+def _tensor_files(files: dict[str, Path]) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
+    """{tensor: file} and {tensor: shape} from the headers of `files` (name -> path)."""
+    where, shapes = {}, {}
+    for path in files.values():
+        if not path.is_file():
+            raise ConversionError(f"{path}: no such file")
+        with _safe_open(path) as handle:
+            for name in handle.keys():
+                where[name] = path
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return where, shapes
+
+
+class HFCheckpoint:
+    """A Hugging Face checkpoint directory. Opening reads config.json and the safetensors
+    headers only; `read` opens the file holding a tensor, copies out the requested slice and
+    closes it, so memory holds that slice, not the file."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        config_path = self.directory / "config.json"
+        if not config_path.is_file():
+            raise ConversionError(f"{config_path}: no such file (not a Hugging Face checkpoint)")
+        try:
+            self.config: dict[str, Any] = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConversionError(f"{config_path}: not JSON ({err})") from None
+        index = self.directory / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+                raise ConversionError(f"{index}: not a safetensors index ({err})") from None
+        else:
+            names = ["model.safetensors"]
+        self.files, self.shapes = _tensor_files({n: self.directory / n for n in names})
+
+    def read(self, name: str, dim: int | None, start: int | None, stop: int | None):
+        if name not in self.files:
+            raise ConversionError(f"tensor {name} is missing from {self.directory}")
+        with _safe_open(self.files[name]) as handle:
+            return _slice(handle, name, dim, start, stop)
+
+
+class MegatronWeights:
+    """A del-megatron weights directory (<dir>/model/), read a tensor at a time."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.root = Path(directory) / WEIGHTS
+        arch_path = self.root / "arch.json"
+        if not arch_path.is_file():
+            raise ConversionError(
+                f"{arch_path}: no such file (not a del-megatron weights directory)"
+            )
+        try:
+            self.arch = LlamaArchitecture.model_validate_json(arch_path.read_text())
+        except ValueError as err:
+            raise ConversionError(f"{arch_path}: not an architecture record ({err})") from None
+        paths = sorted(self.root.glob("tp*.safetensors"))
+        if not paths:
+            raise ConversionError(f"{self.root}: no tpNN.safetensors files")
+        if [p.name for p in paths] != [f"tp{r:02d}.safetensors" for r in range(len(paths))]:
+            raise ConversionError(
+                f"{self.root}: tpNN.safetensors files are not tp00..tp{len(paths) - 1:02d}"
+            )
+        self.paths = paths
+        self.tensor_parallel = len(paths)
+        self.names: dict[str, str] = {}  # canonical -> as stored
+        with _safe_open(paths[0]) as handle:
+            for stored in handle.keys():
+                self.names[canonical(stored)] = stored
+            first = next(iter(self.names.values()))
+            stored = handle.get_slice(first).get_dtype()
+            if stored not in SAFETENSORS_DTYPES:
+                raise ConversionError(f"{paths[0]}: weights stored as {stored}")
+            self.dtype = SAFETENSORS_DTYPES[stored]  # the training dtype, e.g. "bfloat16"
+            self.padded_vocab = (
+                handle.get_slice(self.names["embedding.word_embeddings.weight"]).get_shape()[0]
+                * self.tensor_parallel
+            )
+
+    def shard(self, name: str, rank: int) -> torch.Tensor:
+        """Rank `rank`'s stored shard of the canonical tensor `name`."""
+        if name not in self.names:
+            raise ConversionError(f"{self.root}: no tensor {name}")
+        with _safe_open(self.paths[rank]) as handle:
+            return handle.get_tensor(self.names[name])
+
+    def full(self, name: str) -> torch.Tensor:
+        """The whole (TP 1) canonical tensor `name`, merged from every rank's file."""
+        return merge([self.shard(name, r) for r in range(self.tensor_parallel)], partition_of(name))
+
+    def rank_shard(self, name: str, rank: int, world: int, padded_vocab: int) -> torch.Tensor:
+        """`name` as rank `rank` of `world` holds it with the vocabulary padded to
+        `padded_vocab`: read as stored when the layout is the same, else re-cut."""
+        if world == self.tensor_parallel and padded_vocab == self.padded_vocab:
+            return self.shard(name, rank)
+        full = self.full(name)
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            rows = full[: self.arch.vocab_size]
+            full = torch.cat([rows, rows.new_zeros(padded_vocab - rows.shape[0], *rows.shape[1:])])
+        return split(full, partition_of(name), rank, world)
+
+    def tokenizer(self) -> Path | None:
+        return tokenizer_of_weights(self.root.parent)
+
+
+def tokenizer_of_weights(directory: str | Path) -> Path | None:
+    root = Path(directory) / WEIGHTS
+    for pattern in ("tokenizer.json", "*.model"):
+        found = sorted(root.glob(pattern))
+        if found:
+            return found[0]
+    return None
+
+
+def tokenizer_in(directory: str | Path) -> Path | None:
+    """The tokenizer a Hugging Face checkpoint ships: tokenizer.json, else tokenizer.model."""
+    directory = Path(directory)
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (directory / name).is_file():
+            return directory / name
+    return None
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def replace_directory(tmp: Path, final: Path) -> None:
+    """Put the complete directory `tmp` at `final`: a previous `final` leaves by rename
+    first and is deleted after, so a kill leaves either the old or the new one in place."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def fresh_sibling(final: Path) -> Path:
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_rank_weights(root: Path, rank: int, state: dict[str, torch.Tensor]) -> None:
+    """root/tpNN.safetensors: one tensor-parallel rank's weights, canonical names."""
+    from safetensors.torch import save_file
+
+    save_file(
+        {canonical(k): v.detach().cpu().contiguous() for k, v in state.items()},
+        str(root / f"tp{rank:02d}.safetensors"),
+    )
+
+
+def write_weights_record(root: Path, arch: LlamaArchitecture, tokenizer: str | Path | None) -> None:
+    """root/arch.json and the tokenizer file beside the tpNN.safetensors."""
+    (root / "arch.json").write_text(arch.model_dump_json(indent=1))
+    if tokenizer is not None:
+        shutil.copy(tokenizer, root / Path(tokenizer).name)
+
+
+def write_weights(
+    directory: str | Path,
+    shards: Iterable[dict[str, torch.Tensor]],
+    arch: LlamaArchitecture,
+    tokenizer: str | Path | None,
+) -> None:
+    """<directory>/model/ from each rank's {name: tensor} (one rank in memory at a time when
+    `shards` is a generator), replacing an earlier one whole."""
+    final = Path(directory) / WEIGHTS
+    tmp = fresh_sibling(final)
+    for rank, shard in enumerate(shards):
+        write_rank_weights(tmp, rank, shard)
+    write_weights_record(tmp, arch, tokenizer)
+    replace_directory(tmp, final)
+
+
+class HFWriter:
+    """Writes a Hugging Face checkpoint tensor by tensor into safetensors shards of at most
+    `shard_bytes`, then the index, config.json and tokenizer files; the directory appears
+    complete or not at all."""
+
+    def __init__(self, directory: str | Path, *, shard_bytes: int = 4 << 30) -> None:
+        self.final = Path(directory)
+        self.tmp = fresh_sibling(self.final)
+        self.shard_bytes = shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.written: list[tuple[str, list[str]]] = []  # (temporary file, tensor names)
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.detach().cpu().contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        name = f"part-{len(self.written):05d}.safetensors"
+        save_file(self.pending, str(self.tmp / name), metadata={"format": "pt"})
+        self.written.append((name, sorted(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self, config, tokenizer_dir: str | Path | None = None) -> None:
+        """Write config (a transformers config object) and the tokenizer; put in place."""
+        self._flush()
+        count = len(self.written)
+        weight_map = {}
+        for i, (part, names) in enumerate(self.written):
+            final_name = (
+                "model.safetensors"
+                if count == 1
+                else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            )
+            os.replace(self.tmp / part, self.tmp / final_name)
+            weight_map.update(dict.fromkeys(names, final_name))
+        if count > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        config.save_pretrained(self.tmp)
+        if tokenizer_dir is not None:
+            for pattern in ("tokenizer*", "special_tokens_map.json", "*.model"):
+                for f in Path(tokenizer_dir).glob(pattern):
+                    if f.is_file():
+                        shutil.copy(f, self.tmp / f.name)
+        replace_directory(self.tmp, self.final)

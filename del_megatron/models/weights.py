@@ -1,0 +1,53 @@
+"""Initial weights into a built (tensor-parallel) model, each rank reading only its shard.
+
+Host memory per rank: the model's own parameters plus one tensor slice in flight, whatever
+the checkpoint's size (docs/benchmarks.md measures it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .hf_config import ConversionError
+from .hf_tensors import canonical, check_hf_tensors, rank_shard
+from .llama import LlamaArchitecture
+from .weight_files import HFCheckpoint, MegatronWeights
+
+ShardSource = Callable[[str], torch.Tensor]  # canonical name -> this rank's shard
+
+
+def _copy_in(model: torch.nn.Module, shard_of: ShardSource) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shard = shard_of(canonical(name))
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ConversionError(
+                    f"{name}: checkpoint shard {tuple(shard.shape)} does not fit the model's "
+                    f"{tuple(param.shape)} (another architecture?)"
+                )
+            param.copy_(shard)
+
+
+def _tensor_parallel() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+
+
+def load_hf(model: torch.nn.Module, checkpoint: HFCheckpoint, arch: LlamaArchitecture) -> None:
+    """This rank's slices of every Hugging Face tensor, into the model."""
+    check_hf_tensors(checkpoint.shapes, arch)
+    rank, world = _tensor_parallel()
+    padded = arch.padded_vocab_size(world)
+    _copy_in(model, lambda name: rank_shard(checkpoint.read, name, arch, padded, rank, world))
+
+
+def load_megatron(model: torch.nn.Module, weights: MegatronWeights, padded_vocab: int) -> None:
+    """A del-megatron weights directory of any tensor-parallel size, into the model."""
+    rank, world = _tensor_parallel()
+    _copy_in(model, lambda name: weights.rank_shard(name, rank, world, padded_vocab))

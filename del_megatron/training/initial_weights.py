@@ -1,0 +1,74 @@
+"""The weights a run starts from (init.hf, init.megatron), opened and checked against the run
+config before anything is built (preflight and --dry-run read only headers), then loaded
+into each rank's shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError, RunConfig
+from ..models.hf_config import ConversionError, architecture_from_hf
+from ..models.hf_tensors import check_hf_tensors
+from ..models.llama import LlamaArchitecture
+from ..models.weight_files import HFCheckpoint, MegatronWeights
+
+Initial = tuple[HFCheckpoint | MegatronWeights, LlamaArchitecture]
+
+
+def open_initial_weights(cfg: RunConfig) -> Initial | None:
+    """The initial weights and their architecture, or None for a random start. Raises
+    ConfigError with one line: a missing directory (with what to download), a checkpoint
+    that cannot be reproduced exactly, another architecture than `model`."""
+    field, where = ("init.hf", cfg.init.hf) if cfg.init.hf else ("init.megatron", cfg.init.megatron)
+    if not where:
+        return None
+    if not Path(where).is_dir():
+        hint = ""
+        if cfg.init.hf and cfg.init.hf_hub_id:
+            hint = (
+                f"; download it: huggingface-cli download {cfg.init.hf_hub_id} --local-dir {where}"
+            )
+        raise ConfigError(f"{field}: {where} does not exist{hint}")
+    try:
+        if cfg.init.hf:
+            source = HFCheckpoint(where)
+            arch = architecture_from_hf(
+                source.config, divisible_by=cfg.model.make_vocab_size_divisible_by
+            )
+            check_hf_tensors(source.shapes, arch)
+        else:
+            source = MegatronWeights(where)
+            arch = source.arch
+    except ConversionError as err:
+        raise ConfigError(f"{field}: {where}: {err}") from None
+    check_architecture(cfg.model, arch, where)
+    return source, arch
+
+
+def check_architecture(model: LlamaArchitecture, found: LlamaArchitecture, where: str) -> None:
+    """`model` of the run config equals the weights' architecture, field by field."""
+    for name, value in found.model_dump().items():
+        if name != "make_vocab_size_divisible_by" and getattr(model, name) != value:
+            raise ConfigError(
+                f"model.{name}={getattr(model, name)} but {where} has {value} "
+                "(another model? copy the architecture from its config)"
+            )
+
+
+def initialize_weights(cfg: RunConfig, model: torch.nn.Module) -> None:
+    """Load the initial weights, if any, into this rank's shards."""
+    from ..models.weights import load_hf, load_megatron
+
+    opened = open_initial_weights(cfg)
+    if opened is None:
+        return
+    source, arch = opened
+    try:
+        if isinstance(source, HFCheckpoint):
+            load_hf(model, source, arch)
+        else:
+            load_megatron(model, source, cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel))
+    except ConversionError as err:
+        raise ConfigError(f"initial weights: {err}") from None
