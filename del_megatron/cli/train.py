@@ -38,13 +38,29 @@ def final_table(before: dict[str, float] | None, after: dict[str, float] | None)
     return "\n".join(lines)
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _node_leader() -> bool:
+    return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="del-train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="run config (YAML)")
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="validate, print the resolved config and parallel layout, exit",
+        help="run every check, print the resolved config, memory plan and layout, exit",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GIB",
+        help="GPU memory for the --dry-run plan (default: the visible GPU's, else 80)",
     )
     parser.add_argument(
         "--deepspeed-json",
@@ -68,18 +84,29 @@ def main(argv: list[str] | None = None) -> int:
             gpu = cfg.train.device != "cpu"
             print(json.dumps(deepspeed_config(cfg, args.deepspeed_json, gpu=gpu), indent=2))
             return 0
-        from ..training.preflight import preflight
+        from ..training.plan import plan_run
+        from ..training.preflight import launch_world_size, preflight
 
-        layout = preflight(cfg)
-        if args.dry_run:
+        world = launch_world_size()
+        plan = plan_run(cfg, world, gpu_memory_gib=args.gpu_memory)
+        plan_lines = plan.lines(cfg.parallel.zero_stage, cfg.train.activation_checkpointing)
+        if args.dry_run:  # the config and the plan first: they help also when a check fails
             print(dump_run_config(cfg), end="")
-            print("# layout: " + json.dumps(layout))
+            print("\n".join(f"# plan: {line}" for line in plan_lines), flush=True)
+            device_here = cfg.train.device == "cpu" or _cuda_available()
+            if not device_here:
+                device = cfg.train.device
+                print(f"# note: no CUDA device here; train.device={device} is checked at launch")
+            print("# layout: " + json.dumps(preflight(cfg, world, device_here=device_here)))
             return 0
+        preflight(cfg, world)
+        if not plan.fits and cfg.train.device != "cpu" and _node_leader():
+            print(f"del-train: {plan_lines[-1]}", file=sys.stderr, flush=True)
         from ..training.trainer import train
 
         result = train(cfg, resume=args.resume)
     except (ConfigError, DataError, TokenizerError, CheckpointError, NonFiniteError) as err:
-        if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
+        if _node_leader():
             print(f"del-train: error: {err}", file=sys.stderr)  # once a node, not once a rank
         return 2
     import torch.distributed as dist

@@ -1,5 +1,5 @@
 """Checks of a run against its environment, before anything starts: world size, device,
-tokenizer, data manifests. Each failure is a ConfigError with one line."""
+tokenizer, initial weights, data manifests. Each failure is a ConfigError with one line."""
 
 from __future__ import annotations
 
@@ -11,20 +11,33 @@ from ..data import DataError
 from ..data.loader import load_manifests
 from ..losses.vocab import TokenizerError
 from ..models.device import resolve_device
+from .initial_weights import open_initial_weights
 
 
-def preflight(cfg: RunConfig, world_size: int | None = None) -> dict[str, Any]:
-    """The resolved parallel layout; raises ConfigError naming the first problem."""
+def launch_world_size() -> int:
+    """The number of ranks this process is one of (torchrun's or SLURM's variables; 1 alone)."""
     from ..parallel import rank_environment
 
     rank_environment()
-    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def preflight(
+    cfg: RunConfig, world_size: int | None = None, *, device_here: bool = True
+) -> dict[str, Any]:
+    """The resolved parallel layout; raises ConfigError naming the first problem.
+    device_here=False (a dry run on a machine without the run's GPUs) skips the device check
+    and reports the device as configured."""
+    world = world_size or launch_world_size()
     dp = cfg.data_parallel_size(world)
     accumulation = cfg.accumulation_steps(world)
-    try:
-        device = resolve_device(cfg.train.device)
-    except ValueError as err:
-        raise ConfigError(f"train.device: {err}") from None
+    device_type = cfg.train.device
+    if device_here:
+        try:
+            device_type = resolve_device(cfg.train.device).type
+        except ValueError as err:
+            raise ConfigError(f"train.device: {err}") from None
+    open_initial_weights(cfg)  # headers only: exists, reproducible, same architecture
     from ..tokenizer import Tokenizer
 
     try:
@@ -61,7 +74,7 @@ def preflight(cfg: RunConfig, world_size: int | None = None) -> dict[str, Any]:
         "data_parallel": dp,
         "gradient_accumulation": accumulation,
         "zero_stage": cfg.parallel.zero_stage,
-        "device": device.type,
+        "device": device_type,
         "padded_vocab_size": cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel),
         "tokenizer": fingerprint,
     }

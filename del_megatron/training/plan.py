@@ -1,0 +1,158 @@
+"""A run's memory plan per GPU, before anything is allocated: parameters, model states by ZeRO
+stage (the accounting of DeepSpeed's own estimators, which a test checks), activations at the
+configured micro-batch, sequence and recompute, the logits of the loss, against the device.
+
+Activations are an estimate for megatron-core's Llama layer in bf16 without sequence
+parallelism and with flash attention (no [s, s] score matrix kept): per layer the
+layer-norm inputs and outputs, q/k/v, the attention output, SwiGLU's two fc1 outputs and the
+activation, i.e. 2 bytes x s x b x (4h + (q + 2kv + q + 3f) / tp). With full recompute a
+layer keeps only its input (2 s b h) and one layer's activations exist at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models.llama import LlamaArchitecture
+
+GIB = 1 << 30
+RESERVE = 3 * GIB  # CUDA context, NCCL buffers, allocator slack: a round estimate
+ASSUMED_GPU_GIB = 80  # when no GPU is visible (a login node): an 80 GB H100 / A100
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    total: int  # the model as built (padded vocabulary)
+    unpadded: int  # without the vocabulary padding: the published figure
+    per_rank: int  # on one tensor-parallel rank
+    largest_layer: int  # the largest single module on one rank (ZeRO-3 gathers it whole)
+
+
+def count_parameters(arch: LlamaArchitecture, tp: int) -> ParameterCount:
+    h, d, f = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    padded = arch.padded_vocab_size(tp)
+    embeddings = 1 if arch.tie_word_embeddings else 2
+    attention = (q + 2 * kv) * h + (q + 2 * kv if arch.qkv_bias else 0) + h * q
+    mlp = 3 * f * h
+    split = arch.num_layers * (attention + mlp) + embeddings * padded * h
+    replicated = arch.num_layers * 2 * h + h  # norms
+    return ParameterCount(
+        total=split + replicated,
+        unpadded=split + replicated - embeddings * (padded - arch.vocab_size) * h,
+        per_rank=split // tp + replicated,
+        largest_layer=max(padded * h, 2 * f * h, (q + 2 * kv) * h) // tp,
+    )
+
+
+def model_state_bytes(
+    params: int, largest_layer: int, data_parallel: int, zero_stage: int, param_bytes: int
+) -> dict[str, int]:
+    """Weights, gradients and optimizer states of one GPU holding `params` parameters of
+    one tensor-parallel rank, as DeepSpeed accounts them (estimate_zero2_/zero3_
+    model_states_mem_needs: 2 + 18/N bytes a parameter at stage 2, 4 x largest layer +
+    18/N at stage 3, with bf16 weights). Stage 1 keeps whole bf16 gradients too."""
+    n, b = data_parallel, param_bytes
+    optimizer = 12 * params // n  # fp32 master weights, Adam's two moments
+    if zero_stage == 3:
+        weights = b * params // n + b * largest_layer
+        gradients = 4 * params // n + b * largest_layer
+    else:
+        weights = b * params
+        gradients = 4 * params // n + (b * params if zero_stage == 1 else b * params // n)
+    return {"weights": weights, "gradients": gradients, "optimizer": optimizer}
+
+
+def activation_bytes(
+    arch: LlamaArchitecture,
+    tp: int,
+    micro_batch: int,
+    seq_len: int,
+    recompute: bool,
+    dtype_bytes: int,
+) -> int:
+    h, d, f = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    tokens = micro_batch * seq_len
+    layer = dtype_bytes * tokens * (4 * h + (2 * q + 2 * kv + 3 * f) // tp)
+    if recompute:
+        return arch.num_layers * dtype_bytes * tokens * h + layer
+    return arch.num_layers * layer
+
+
+def logits_bytes(
+    arch: LlamaArchitecture, tp: int, micro_batch: int, seq_len: int, dtype_bytes: int
+) -> int:
+    """Logits [s, b, V/tp] in the model's dtype, the loss's float32 buffer, and their
+    gradient: the largest single activation with a big vocabulary."""
+    elements = micro_batch * seq_len * arch.padded_vocab_size(tp) // tp
+    return elements * (2 * dtype_bytes + 4)
+
+
+@dataclass(frozen=True)
+class Plan:
+    parameters: ParameterCount
+    per_gpu: dict[str, int]  # bytes by part, "total" included
+    device_bytes: int
+    device_label: str
+
+    @property
+    def fits(self) -> bool:
+        return self.per_gpu["total"] <= self.device_bytes
+
+    def advice(self, zero_stage: int, recompute: bool) -> str:
+        """The knob that shrinks the largest part."""
+        parts = {k: v for k, v in self.per_gpu.items() if k not in ("total", "reserve")}
+        largest = max(parts, key=parts.get)
+        if largest in ("weights", "gradients", "optimizer"):
+            if zero_stage < 3:
+                return f"raise parallel.zero_stage (now {zero_stage}) or parallel.tensor_parallel"
+            return "raise parallel.tensor_parallel or use more GPUs (data parallel)"
+        if largest == "activations" and not recompute:
+            return "set train.activation_checkpointing: true"
+        return "lower train.micro_batch_size (raise gradient accumulation instead)"
+
+    def lines(self, zero_stage: int, recompute: bool) -> list[str]:
+        p = self.parameters
+        out = [
+            f"parameters: {p.unpadded:,} ({p.total:,} with vocabulary padding), "
+            f"{p.per_rank:,} per tensor-parallel rank",
+            "per GPU: "
+            + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in self.per_gpu.items() if k != "total"),
+            f"per GPU total: {self.per_gpu['total'] / GIB:.1f} GiB of {self.device_bytes / GIB:.0f}"
+            f" GiB ({self.device_label})",
+        ]
+        if not self.fits:
+            out.append(
+                f"warning: this will not fit in GPU memory; {self.advice(zero_stage, recompute)}"
+            )
+        return out
+
+
+def device_memory(assumed_gib: float | None = None) -> tuple[int, str]:
+    import torch
+
+    if assumed_gib is None and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, props.name
+    gib = assumed_gib or ASSUMED_GPU_GIB
+    return int(gib * GIB), f"assumed {gib:g} GiB GPU" if assumed_gib else "assumed 80 GiB GPU"
+
+
+def plan_run(cfg, world_size: int, *, gpu_memory_gib: float | None = None) -> Plan:
+    """The plan of `cfg` at `world_size` ranks, on GPUs (bf16) whatever train.device says:
+    the question it answers is whether the run fits there."""
+    tp = cfg.parallel.tensor_parallel
+    dp = cfg.data_parallel_size(world_size)
+    params = count_parameters(cfg.model, tp)
+    recompute = cfg.train.activation_checkpointing
+    b, s = cfg.train.micro_batch_size, cfg.train.seq_len
+    per_gpu = model_state_bytes(
+        params.per_rank, params.largest_layer, dp, cfg.parallel.zero_stage, 2
+    )
+    per_gpu["activations"] = activation_bytes(cfg.model, tp, b, s, recompute, 2)
+    per_gpu["logits"] = logits_bytes(cfg.model, tp, b, s, 2)
+    per_gpu["reserve"] = RESERVE
+    per_gpu["total"] = sum(per_gpu.values())
+    memory, label = device_memory(gpu_memory_gib)
+    return Plan(params, per_gpu, memory, label)
