@@ -1,16 +1,15 @@
 """Corpus files -> tokenized webdataset shards and a manifest (format: docs/data.md).
 
 Tokenization runs in a process pool, in order, so identical input gives byte-identical
-shards. Each shard is written under a temporary name and renamed when complete; the manifest
-is written last, the same way, so a killed build never leaves a partial file under a final
-name, and a re-run rebuilds it whole.
+shards. A build is written into a staging directory beside the output and put in place
+whole when complete (`del_megatron.outputs`): a killed or failed build leaves the previous
+one untouched, and nothing in the output directory that a build did not write is touched.
 """
 
 from __future__ import annotations
 
 import array
 import hashlib
-import itertools
 import multiprocessing
 import os
 import sys
@@ -20,19 +19,21 @@ from pathlib import Path
 from tqdm import tqdm
 
 from del_megatron.data.format import (
+    InputEntry,
     Manifest,
     ShardEntry,
     TokenizerInfo,
     encode_sample,
     end_of_archive,
 )
+from del_megatron.outputs import abandon_output, begin_output, commit_output
 from del_megatron.tokenizer import Tokenizer
 
-from .readers import Fields, Record, expand_inputs, read_records
+from .readers import Fields, InputError, InputReport, OnError, Record, expand_inputs, read_records
 
 SHARD_PATTERN = "shard-{:05d}.tar"
 MANIFEST_NAME = "manifest.json"
-TMP_SUFFIX = ".tmp"
+TMP_SUFFIX = ".tmp"  # a shard being written, inside the staging directory
 # A task for a tokenizer process: records up to this many characters of text. Its result (4
 # bytes a token, ~1 byte a character) must fit the 64 KiB pipe buffer, or the tokenizer
 # process blocks until this one reads it: 256 ~180-token documents a task gave 0.83x of a
@@ -142,6 +143,28 @@ class _ShardWriter:
         return self.entries
 
 
+def output_is_ours(out_dir: Path):
+    """What of an existing output directory a build may replace: a readable manifest.json and
+    the shards it lists. Anything else there is the user's."""
+    from del_megatron.data.format import DataError, read_manifest
+
+    listed: set[str] = set()
+    manifest = out_dir / MANIFEST_NAME
+    if manifest.is_file():
+        try:
+            listed = {MANIFEST_NAME, *(e.name for e in read_manifest(str(manifest)).shards)}
+        except DataError:
+            listed = set()  # not a manifest of ours
+    return lambda path: path.name in listed and path.is_file()
+
+
+def _records(files: list[Path], fields: Fields, on_error: OnError, reports: list[InputReport]):
+    for path in files:
+        report = InputReport(path)
+        reports.append(report)
+        yield from read_records(path, fields, on_error, report)
+
+
 def build_shards(
     inputs: list[Path],
     out_dir: Path,
@@ -151,8 +174,14 @@ def build_shards(
     shard_bytes: int = 64 << 20,
     workers: int = 1,
     progress: bool = True,
+    on_error: OnError = "fail",
+    force: bool = False,
 ) -> Manifest:
-    """Tokenize `inputs` into shards under `out_dir`; returns the manifest written there."""
+    """Tokenize `inputs` into shards in `out_dir`; returns the manifest written there.
+
+    The build goes into a staging directory beside `out_dir` and replaces an earlier build
+    there only when complete: a failed build leaves the old one as it was. An `out_dir`
+    holding files that no build wrote is refused unless `force` (which keeps them)."""
     fields = fields or Fields()
     files = expand_inputs(inputs)
     tokenizer = Tokenizer(tokenizer_path)  # fails here, not in a worker, on a bad tokenizer
@@ -162,14 +191,45 @@ def build_shards(
         eos_id=tokenizer.eos_id,
         source=tokenizer_path.name,
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # No manifest while shards are rewritten: readers see "missing", never a mix of builds.
-    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
-    for stale in out_dir.glob("*" + TMP_SUFFIX):  # left by a killed build
-        stale.unlink()
-    records = itertools.chain.from_iterable(read_records(f, fields) for f in files)
-    writer = _ShardWriter(out_dir, shard_bytes)
-    bar = tqdm(desc=f"tokenizing {out_dir.name}", unit="doc", disable=not progress)
+    is_ours = output_is_ours(out_dir)
+    staging = begin_output(out_dir, is_ours, force=force)
+    try:
+        manifest = _build(
+            files,
+            staging,
+            tokenizer_path,
+            info,
+            fields,
+            shard_bytes,
+            workers,
+            progress,
+            on_error,
+        )
+        commit_output(staging, out_dir, is_ours)
+    except OSError as err:
+        abandon_output(staging)
+        raise InputError(f"{out_dir}: cannot write the build ({err.strerror or err})") from None
+    except BaseException:
+        abandon_output(staging)
+        raise
+    return manifest
+
+
+def _build(
+    files: list[Path],
+    staging: Path,
+    tokenizer_path: Path,
+    info: TokenizerInfo,
+    fields: Fields,
+    shard_bytes: int,
+    workers: int,
+    progress: bool,
+    on_error: OnError,
+) -> Manifest:
+    reports: list[InputReport] = []
+    records = _records(files, fields, on_error, reports)
+    writer = _ShardWriter(staging, shard_bytes)
+    bar = tqdm(desc="tokenizing", unit="doc", disable=not progress)
     pool = None
     if workers > 0:  # tokenizer processes; this one reads the input and writes the shards
         pool = multiprocessing.get_context("fork").Pool(
@@ -191,17 +251,25 @@ def build_shards(
         if pool is not None:
             pool.terminate()
     entries = writer.finish()
+    documents = sum(e.samples for e in entries)
+    if documents == 0:
+        raise InputError(f"no documents in {', '.join(str(f) for f in files)}")
     manifest = Manifest(
         tokenizer=info,
         shards=tuple(entries),
-        documents=sum(e.samples for e in entries),
+        documents=documents,
         tokens=sum(e.tokens for e in entries),
-        inputs=tuple(f.name for f in files),
+        inputs=tuple(
+            InputEntry(
+                name=str(r.path),
+                bytes=r.bytes,
+                sha256=r.sha256,
+                documents=r.documents,
+                skipped=r.skipped,
+                damage=tuple(r.damage),
+            )
+            for r in reports
+        ),
     )
-    for old in out_dir.glob("shard-*.tar"):  # from an earlier, larger build of this directory
-        if old.name not in {e.name for e in entries}:
-            old.unlink()
-    tmp = out_dir / (MANIFEST_NAME + TMP_SUFFIX)
-    tmp.write_text(manifest.to_json())
-    tmp.replace(out_dir / MANIFEST_NAME)
+    (staging / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest

@@ -1,7 +1,7 @@
 """`data-tools` (or `python -m data_tools`): tokenizer, synth, build, inspect.
 
-Errors in the input (a missing file, a wrong field, a bad tokenizer) print one line naming
-the file or field and exit with status 2.
+Errors in the input (a missing file, a wrong field, a damaged record, a bad tokenizer) print
+one line naming the file and place or the field, and exit with status 2.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import json
 import sys
 from pathlib import Path
 
-from del_megatron.data.format import DataError
-from del_megatron.losses.vocab import TokenizerError
+from del_megatron.cli.arguments import non_negative_int, positive_float, positive_int
+from del_megatron.errors import UserError
 
-from .readers import Fields, InputError
+from .readers import Fields
 
 
 def _fields(args: argparse.Namespace) -> Fields:
@@ -56,11 +56,16 @@ def cmd_build(args: argparse.Namespace) -> None:
         shard_bytes=int(args.shard_mb * 2**20),
         workers=args.workers,
         progress=not args.quiet,
+        on_error=args.on_error,
+        force=args.force,
     )
     print(
         f"{len(manifest.shards)} shards, {manifest.documents} documents, "
         f"{manifest.tokens} tokens -> {args.output}"
     )
+    for entry in manifest.inputs:
+        if entry.skipped:
+            print(f"skipped {entry.skipped} damaged records of {entry.name}: {entry.damage[0]}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -76,14 +81,14 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer that splits digits")
     t.add_argument("inputs", nargs="+", type=Path)
     t.add_argument("-o", "--output", type=Path, required=True, help="the .model file to write")
-    t.add_argument("--vocab-size", type=int, default=4000)
+    t.add_argument("--vocab-size", type=positive_int, default=4000)
     _add_fields(t)
     t.set_defaults(func=cmd_tokenizer)
 
     s = sub.add_parser("synth", help="write a deterministic math-heavy corpus")
     s.add_argument("-o", "--output", type=Path, required=True, help="directory")
-    s.add_argument("--documents", type=int, default=20000)
-    s.add_argument("--heldout", type=int, default=500)
+    s.add_argument("--documents", type=positive_int, default=20000)
+    s.add_argument("--heldout", type=non_negative_int, default=500)
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_synth)
 
@@ -96,9 +101,24 @@ def parser() -> argparse.ArgumentParser:
         required=True,
         help="sentencepiece .model or Hugging Face tokenizer.json / directory",
     )
-    b.add_argument("--shard-mb", type=float, default=64.0, help="target shard size in MiB")
+    b.add_argument("--shard-mb", type=positive_float, default=64.0, help="target shard size in MiB")
     b.add_argument(
-        "--workers", type=int, default=1, help="tokenizer processes (0: tokenize in this process)"
+        "--workers",
+        type=non_negative_int,
+        default=1,
+        help="tokenizer processes (0: tokenize in this process)",
+    )
+    b.add_argument(
+        "--on-error",
+        choices=["fail", "skip"],
+        default="fail",
+        help="a damaged record or file: stop naming it (fail, the default), or leave it out, "
+        "count it in the manifest and say so (skip)",
+    )
+    b.add_argument(
+        "--force",
+        action="store_true",
+        help="build into a directory that holds files data-tools did not write (kept)",
     )
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_fields(b)
@@ -115,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         args.func(args)
-    except (InputError, TokenizerError, DataError, ValueError) as err:
+    except UserError as err:
         print(f"data-tools {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from del_megatron.data.format import read_manifest, read_shard, resolve
+from del_megatron.data.format import DataError, read_manifest, read_shard, resolve
 from del_megatron.tokenizer import Tokenizer
 
 
@@ -18,7 +18,7 @@ def inspect_shards(manifest_path: Path, tokenizer_path: Path | None = None) -> d
     if tokenizer_path is not None:
         tokenizer = Tokenizer(tokenizer_path)
         if tokenizer.fingerprint != manifest.tokenizer.fingerprint:
-            raise ValueError(f"{tokenizer_path} is not the tokenizer these shards were built with")
+            raise DataError(f"{tokenizer_path} is not the tokenizer these shards were built with")
         digit_table = np.zeros(max(tokenizer.vocab_size, manifest.tokenizer.vocab_size), bool)
         for ids in tokenizer.digit_vocab.digit_ids:
             digit_table[list(ids)] = True
@@ -42,6 +42,10 @@ def inspect_shards(manifest_path: Path, tokenizer_path: Path | None = None) -> d
         "tokens": tokens,
         "prompt_tokens": masked,
         "tokenizer": manifest.tokenizer.fingerprint,
+        "inputs": [  # what came from where (version 1 manifests: names only)
+            entry if isinstance(entry, str) else entry.model_dump(mode="json")
+            for entry in manifest.inputs
+        ],
     }
     if digit_table is not None:
         stats["digit_tokens"] = digits

@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from .readers import Fields, expand_inputs, read_records
+from del_megatron.errors import one_line
+
+from .readers import Fields, InputError, expand_inputs, read_records
 
 
 def train_tokenizer(
@@ -21,40 +23,50 @@ def train_tokenizer(
     import sentencepiece as spm
 
     fields = fields or Fields()
+    files = expand_inputs(inputs)  # refused here, before sentencepiece starts
+    sentences_seen = 0
 
     def sentences():
-        count = 0
-        for path in expand_inputs(inputs):
+        nonlocal sentences_seen
+        for path in files:
             for record in read_records(path, fields):
                 text = record if isinstance(record, str) else record[0] + "\n" + record[1]
                 for line in text.splitlines():
                     if line.strip():
                         yield line
-                        count += 1
-                        if count >= max_sentences:
+                        sentences_seen += 1
+                        if sentences_seen >= max_sentences:
                             return
 
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=sentences(),
-        model_writer=model,
-        vocab_size=vocab_size,
-        hard_vocab_limit=False,
-        model_type="bpe",
-        split_digits=True,
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True,
-        bos_id=1,
-        eos_id=2,
-        unk_id=0,
-        pad_id=-1,
-        num_threads=1,  # deterministic
-        minloglevel=2,
-    )
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_bytes(model.getvalue())
-    tmp.replace(out_path)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences(),
+            model_writer=model,
+            vocab_size=vocab_size,
+            hard_vocab_limit=False,
+            model_type="bpe",
+            split_digits=True,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+            bos_id=1,
+            eos_id=2,
+            unk_id=0,
+            pad_id=-1,
+            num_threads=1,  # deterministic
+            minloglevel=2,
+        )
+    except RuntimeError as err:  # sentencepiece reports every training failure so
+        if sentences_seen == 0:
+            raise InputError(f"no text to train on in {', '.join(map(str, inputs))}") from None
+        raise InputError(f"cannot train a tokenizer: {one_line(err)}") from None
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        tmp.write_bytes(model.getvalue())
+        tmp.replace(out_path)
+    except OSError as err:
+        raise InputError(f"{out_path}: cannot write ({err.strerror or err})") from None
     return out_path

@@ -9,6 +9,8 @@ never written by hand.
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,11 +18,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .data.config import DataSource
+from .errors import UserError
 from .losses import NumericLossConfig
 from .models.llama import LlamaArchitecture
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration mistake; the message is one line naming the field."""
 
 
@@ -235,13 +238,41 @@ def deepspeed_config(cfg: RunConfig, world_size: int, *, gpu: bool) -> dict[str,
 # ---- loading ----------------------------------------------------------------------------
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML 1.1 as PyYAML reads it, except that 1e-5 is a float (PyYAML wants a dot and
+    would hand the string "1e-5" to the schema)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{where}{line}: not valid YAML") from None
+
+
 def _apply_override(tree: dict[str, Any], assignment: str) -> None:
     key, sep, raw = assignment.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override {assignment!r} is not of the form section.field=value")
-    value = yaml.safe_load(raw) if raw else ""
-    node = tree
     parts = key.split(".")
+    if not sep or not key or not all(p.strip() for p in parts):
+        raise ConfigError(f"override {assignment!r} is not of the form section.field=value")
+    value = _yaml(raw, f"override {key}") if raw else ""
+    node = tree
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
@@ -264,11 +295,13 @@ def _one_line(err: ValidationError) -> str:
 
 
 def parse_run_config(tree: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
-    tree = yaml.safe_load(yaml.safe_dump(tree))  # deep copy, plain types
+    """Validated strictly: a boolean is no number and a number no boolean (true does not
+    become 1), through JSON so that YAML lists still fill tuple fields."""
+    tree = json.loads(json.dumps(tree, default=str))  # deep copy, plain JSON types
     for assignment in overrides:
         _apply_override(tree, assignment)
     try:
-        return RunConfig.model_validate(tree)
+        return RunConfig.model_validate_json(json.dumps(tree, default=str), strict=True)
     except ValidationError as err:
         raise ConfigError(_one_line(err)) from None
 
@@ -278,11 +311,10 @@ def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: not valid YAML") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read ({err})") from None
+    tree = _yaml(text, str(path)) or {}
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a mapping of sections")
     return parse_run_config(tree, overrides)

@@ -16,18 +16,16 @@ DOCS=${DOCS:-8000}
 
 bash launch/setup_env.sh
 bin=.venv/bin
-$bin/data-tools synth -o "$RUN/corpus" --documents "$DOCS" --heldout 400 --seed 0
-$bin/data-tools tokenizer "$RUN/corpus/train.jsonl" -o "$RUN/tokenizer.model" --vocab-size 1000
-$bin/data-tools build "$RUN/corpus/train.jsonl" -o "$RUN/shards/train" \
-  --tokenizer "$RUN/tokenizer.model" --shard-mb 1 --workers 2 --quiet
-$bin/data-tools build "$RUN/corpus/heldout.jsonl" -o "$RUN/shards/heldout" \
-  --tokenizer "$RUN/tokenizer.model" --quiet
+bash launch/tiny_data.sh "$RUN" "$DOCS"
 extra=()
 if [ -n "$gsm8k" ]; then
   $bin/data-tools build "$gsm8k" -o "$RUN/shards/gsm8k" --tokenizer "$RUN/tokenizer.model" \
     --prompt-field question --response-field answer --quiet
   extra=("data.sources=[{manifest: $RUN/shards/train/manifest.json, weight: 0.7}, {manifest: $RUN/shards/gsm8k/manifest.json, weight: 0.3}]")
 fi
+# The main job starts over each time (the corpus and tokenizer above are regenerated): the
+# checkpoints and metrics of its previous run in $RUN go, nothing else.
+rm -rf "$RUN/checkpoints" "$RUN/metrics.jsonl"
 OMP_NUM_THREADS=1 $bin/torchrun --nproc_per_node=2 --master_addr=127.0.0.1 --master_port="${MASTER_PORT:-29541}" \
   -m del_megatron.cli.train --config configs/tiny_cpu.yaml \
   "data.tokenizer=$RUN/tokenizer.model" \

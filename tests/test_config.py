@@ -80,7 +80,6 @@ MISTAKES = [
     (["parallel.zero_stage=4"], 2, "parallel.zero_stage: Input should be"),
     (["parallel.sequence_parallel=true"], 2, "parallel.sequence_parallel=true is not supported"),
     (["optim.min_lr=1"], 2, "optim.min_lr=1.0 exceeds optim.lr=0.003"),
-    (["train.device=cuda"], 2, "train.device: device 'cuda' was requested but no CUDA device"),
     (
         ["data.tokenizer=/nope/tokenizer.model"],
         2,
@@ -177,3 +176,21 @@ def test_shipped_configs_validate(name):
         assert cfg.optim.lr == 2e-5
     elif name != "tiny_cpu":
         assert cfg.optim.lr == 5e-6
+
+
+def test_a_cuda_run_is_checked_for_its_device_at_launch_not_in_a_dry_run_here(
+    valid, capsys, monkeypatch
+):
+    """A dry run prepares a GPU job on a machine without GPUs (a login node): it notes the
+    device; the run itself refuses to start without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, out, err = run(capsys, "--config", str(valid), "--dry-run", "train.device=cuda")
+    assert code == 0, err
+    assert "# note: no CUDA device here; train.device=cuda is checked at launch" in out
+    code, _, err = run(capsys, "--config", str(valid), "train.device=cuda")
+    assert code == 2
+    assert "train.device: device 'cuda' was requested but no CUDA device" in err

@@ -17,16 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..models.hf_config import ConversionError, architecture_from_hf, hf_config
-from ..models.hf_tensors import check_hf_tensors, hf_tensors, megatron_names, rank_shard
-from ..models.weight_files import (
-    DTYPES,
-    HFCheckpoint,
-    HFWriter,
-    MegatronWeights,
-    tokenizer_in,
-    write_weights,
-)
+from ..errors import UserError
+from ..models.export import export_hf
+from ..models.hf_config import ConversionError, architecture_from_hf
+from ..models.hf_tensors import check_hf_tensors, megatron_names, rank_shard
+from ..models.weight_files import DTYPES, HFCheckpoint, tokenizer_in, write_weights
+from .arguments import positive_int
 
 
 def hf_to_megatron_cmd(args: argparse.Namespace) -> str:
@@ -43,32 +39,13 @@ def hf_to_megatron_cmd(args: argparse.Namespace) -> str:
         {n: rank_shard(checkpoint.read, n, arch, padded, rank, args.tp) for n in names}
         for rank in range(args.tp)
     )
-    write_weights(args.out, shards, arch, tokenizer_in(args.hf))
+    write_weights(args.out, shards, arch, tokenizer_in(args.hf), force=args.force)
     return f"{args.hf} -> {args.out}/model ({arch.family}, {args.tp} tensor-parallel shards)"
 
 
 def megatron_to_hf_cmd(args: argparse.Namespace) -> str:
-    weights = MegatronWeights(args.checkpoint)
-    arch = weights.arch
-    dtype_name = args.dtype or weights.dtype
-    dtype = DTYPES[dtype_name]
-    writer = HFWriter(args.out)
-    for name in megatron_names(arch):  # a tensor at a time
-        for hf_name, tensor in hf_tensors(name, weights.full(name), arch):
-            writer.add(hf_name, tensor.to(dtype))
-    tokenizer = weights.tokenizer()
-    writer.finish(hf_config(arch, dtype_name), tokenizer.parent if tokenizer else None)
-    return f"{args.checkpoint} -> {args.out} ({arch.family}, {dtype_name})"
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    what = export_hf(args.checkpoint, args.out, dtype=args.dtype, force=args.force)
+    return f"{args.checkpoint} -> {args.out} ({what})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("hf-to-megatron", help="a Hugging Face checkpoint -> a weights directory")
     a.add_argument("--hf", type=Path, required=True, help="Hugging Face checkpoint directory")
     a.add_argument("--out", type=Path, required=True)
-    a.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size")
+    a.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
     a.add_argument(
         "--divisible-by",
-        type=_positive,
+        type=positive_int,
         default=128,
         help="pad the vocabulary to a multiple of this x tp",
     )
@@ -97,10 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=sorted(DTYPES), help="weights dtype (default: the training dtype)"
     )
     b.set_defaults(func=megatron_to_hf_cmd)
+    for sub_parser in (a, b):
+        sub_parser.add_argument(
+            "--force",
+            action="store_true",
+            help="write into an output directory that holds other files (they are kept)",
+        )
     args = parser.parse_args(argv)
     try:
         print(args.func(args))
-    except ConversionError as err:
+    except OSError as err:  # reading or writing a path the user gave
+        print(f"del-convert {args.command}: error: {err.filename}: {err.strerror}", file=sys.stderr)
+        return 2
+    except UserError as err:
         print(f"del-convert {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -12,11 +12,9 @@ import json
 import os
 import sys
 
-from ..config import ConfigError, dump_run_config, load_run_config
-from ..data import DataError
-from ..losses.vocab import TokenizerError
-from ..training.checkpoint import CheckpointError
-from ..training.trainer import NonFiniteError
+from ..config import dump_run_config, load_run_config
+from ..errors import UserError
+from .arguments import positive_float, positive_int
 
 # "Stopped on request, checkpoint saved: run me again" (sysexits.h EX_TEMPFAIL, "try again
 # later"). launch/slurm/train.sbatch requeues the job on exactly this status.
@@ -58,13 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--gpu-memory",
-        type=float,
+        type=positive_float,
         metavar="GIB",
         help="GPU memory for the --dry-run plan (default: the visible GPU's, else 80)",
     )
     parser.add_argument(
         "--deepspeed-json",
-        type=int,
+        type=positive_int,
         metavar="WORLD_SIZE",
         help="print the DeepSpeed config generated for this world size, exit",
     )
@@ -78,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_run_config(args.config, args.overrides)
-        if args.deepspeed_json:
+        if args.deepspeed_json is not None:
             from ..config import deepspeed_config
 
             gpu = cfg.train.device != "cpu"
@@ -97,15 +95,16 @@ def main(argv: list[str] | None = None) -> int:
             if not device_here:
                 device = cfg.train.device
                 print(f"# note: no CUDA device here; train.device={device} is checked at launch")
-            print("# layout: " + json.dumps(preflight(cfg, world, device_here=device_here)))
+            layout = preflight(cfg, world, device_here=device_here, resume=args.resume)
+            print("# layout: " + json.dumps(layout))
             return 0
-        preflight(cfg, world)
+        preflight(cfg, world, resume=args.resume)
         if not plan.fits and cfg.train.device != "cpu" and _node_leader():
             print(f"del-train: {plan_lines[-1]}", file=sys.stderr, flush=True)
         from ..training.trainer import train
 
         result = train(cfg, resume=args.resume)
-    except (ConfigError, DataError, TokenizerError, CheckpointError, NonFiniteError) as err:
+    except UserError as err:
         if _node_leader():
             print(f"del-train: error: {err}", file=sys.stderr)  # once a node, not once a rank
         return 2

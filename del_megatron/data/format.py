@@ -25,12 +25,14 @@ from typing import IO
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-FORMAT_VERSION = 1
+from ..errors import UserError
+
+FORMAT_VERSION = 2  # 2: inputs are records (size, SHA-256, documents); 1: file names
 TOKENS_EXT = "tokens"
 MASK_EXT = "mask"
 
 
-class DataError(RuntimeError):
+class DataError(UserError, RuntimeError):
     """A shard, manifest or source that cannot be read as it should; names the file."""
 
 
@@ -53,6 +55,19 @@ class TokenizerInfo(BaseModel):
     source: str  # file name the shards were tokenized with (informative)
 
 
+class InputEntry(BaseModel):
+    """One input file of a build: read to its end, what it gave and what was left out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str  # the path as given to the build
+    bytes: int  # every byte was read
+    sha256: str
+    documents: int  # documents taken from it
+    skipped: int = 0  # damaged records left out (on_error=skip)
+    damage: tuple[str, ...] = ()  # the first few of them, each naming its place
+
+
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,7 +76,7 @@ class Manifest(BaseModel):
     shards: tuple[ShardEntry, ...]
     documents: int
     tokens: int
-    inputs: tuple[str, ...] = ()
+    inputs: tuple[InputEntry | str, ...] = ()  # str: a version 1 manifest
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=True) + "\n"
@@ -161,11 +176,36 @@ def read_manifest(url: str, *, allow_pipe: bool = False) -> Manifest:
     with open_url(location, allow_pipe=allow_pipe) as f:
         raw = f.read()
     try:
-        return Manifest.model_validate_json(raw)
+        manifest = Manifest.model_validate_json(raw)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise DataError(f"{url}: not a shard manifest ({where}: {first['msg']})") from None
+    if manifest.version > FORMAT_VERSION:
+        raise DataError(
+            f"{url}: manifest version {manifest.version} is newer than this del-megatron reads "
+            f"({FORMAT_VERSION}); update del-megatron"
+        )
+    return manifest
+
+
+def check_listed_shards(url: str, manifest: Manifest) -> None:
+    """Before a run: the manifest lists shards, and each local one exists with its listed
+    size (remote and pipe: sources are checked when read)."""
+    if not manifest.shards:
+        raise DataError(f"{url}: the manifest lists no shards")
+    if url.startswith(("http://", "https://", "pipe:")):
+        return
+    for entry in manifest.shards:
+        location = resolve(url, entry.name)
+        path = Path(location[len("file://") :] if location.startswith("file://") else location)
+        if not path.is_file():
+            raise DataError(f"{path}: listed in {url} but missing")
+        if path.stat().st_size != entry.bytes:
+            raise DataError(
+                f"{path}: {path.stat().st_size} bytes, {url} lists {entry.bytes} (truncated or "
+                "replaced?)"
+            )
 
 
 # ---- reading ---------------------------------------------------------------------------

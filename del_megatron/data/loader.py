@@ -16,17 +16,22 @@ import numpy as np
 import torch
 
 from .config import DataConfig
-from .format import DataError, Manifest, read_manifest
+from .format import DataError, Manifest, check_listed_shards, read_manifest
 from .stream import SlotStream, Windows, build_slot_stream
 
 LOADER_STATE_VERSION = 1
 
 
-def load_manifests(cfg: DataConfig, fingerprint: str | None = None) -> list[tuple[str, Manifest]]:
-    """Every source's manifest; all must share one tokenizer, `fingerprint` if given."""
+def load_manifests(
+    cfg: DataConfig, fingerprint: str | None = None, *, check_shards: bool = False
+) -> list[tuple[str, Manifest]]:
+    """Every source's manifest; all must share one tokenizer, `fingerprint` if given.
+    check_shards: also that every local shard listed is there at its size (preflight)."""
     manifests = []
     for source in cfg.sources:
         manifest = read_manifest(source.manifest, allow_pipe=cfg.allow_pipe)
+        if check_shards:
+            check_listed_shards(source.manifest, manifest)
         want = fingerprint or (manifests[0][1].tokenizer.fingerprint if manifests else None)
         if want is not None and manifest.tokenizer.fingerprint != want:
             raise DataError(

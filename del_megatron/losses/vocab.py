@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ..errors import UserError
+
 POINT_CLASS = 10  # class index of '.' in class tables; digits are 0..9
 NOT_A_CLASS = -1
 
@@ -33,7 +35,7 @@ _PROBE_TEXT = (
 )
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """The tokenizer cannot carry the numeric losses (missing or merged digits)."""
 
 

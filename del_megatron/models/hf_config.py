@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from ..errors import UserError
 from .llama import LlamaArchitecture
 
 CLASSES = {
@@ -28,7 +29,7 @@ LLAMA3_FIXED = {
 }
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """A checkpoint that cannot be converted exactly; the message names the file, field or
     tensor."""
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
+from ..outputs import Ours, abandon_output, begin_output, commit_output
 from .hf_config import ConversionError
 from .hf_tensors import canonical
 from .llama import LlamaArchitecture
@@ -104,14 +107,18 @@ class MegatronWeights:
             )
         try:
             self.arch = LlamaArchitecture.model_validate_json(arch_path.read_text())
-        except ValueError as err:
-            raise ConversionError(f"{arch_path}: not an architecture record ({err})") from None
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(map(str, first["loc"])) or "file"
+            raise ConversionError(
+                f"{arch_path}: not an architecture record ({where}: {first['msg']})"
+            ) from None
         paths = sorted(self.root.glob("tp*.safetensors"))
         if not paths:
             raise ConversionError(f"{self.root}: no tpNN.safetensors files")
         if [p.name for p in paths] != [f"tp{r:02d}.safetensors" for r in range(len(paths))]:
             raise ConversionError(
-                f"{self.root}: tpNN.safetensors files are not tp00..tp{len(paths) - 1:02d}"
+                f"{self.root}: the tpNN.safetensors files are not tp00 to tp{len(paths) - 1:02d}"
             )
         self.paths = paths
         self.tensor_parallel = len(paths)
@@ -175,23 +182,18 @@ def tokenizer_in(directory: str | Path) -> Path | None:
 
 # ---- writing ---------------------------------------------------------------------------------
 
-
-def replace_directory(tmp: Path, final: Path) -> None:
-    """Put the complete directory `tmp` at `final`: a previous `final` leaves by rename
-    first and is deleted after, so a kill leaves either the old or the new one in place."""
-    old = final.with_name(f".{final.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+# What a weights directory (model/) and a Hugging Face export hold: the only files these
+# writers replace; anything else there is the user's (del_megatron.outputs).
+WEIGHTS_FILES = re.compile(r"tp\d{2}\.safetensors|arch\.json|tokenizer\.json|[^/]+\.model")
+HF_FILES = re.compile(
+    r"config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors"
+    r"|model\.safetensors\.index\.json|tokenizer(_config)?\.json|special_tokens_map\.json"
+    r"|[^/]+\.model"
+)
 
 
-def fresh_sibling(final: Path) -> Path:
-    tmp = final.with_name(f".{final.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+def _matches(pattern: re.Pattern) -> Ours:
+    return lambda path: path.is_file() and pattern.fullmatch(path.name) is not None
 
 
 def write_rank_weights(root: Path, rank: int, state: dict[str, torch.Tensor]) -> None:
@@ -216,25 +218,36 @@ def write_weights(
     shards: Iterable[dict[str, torch.Tensor]],
     arch: LlamaArchitecture,
     tokenizer: str | Path | None,
+    *,
+    force: bool = False,
 ) -> None:
     """<directory>/model/ from each rank's {name: tensor} (one rank in memory at a time when
-    `shards` is a generator), replacing an earlier one whole."""
+    `shards` is a generator), replacing an earlier one whole, or nothing on failure."""
     final = Path(directory) / WEIGHTS
-    tmp = fresh_sibling(final)
-    for rank, shard in enumerate(shards):
-        write_rank_weights(tmp, rank, shard)
-    write_weights_record(tmp, arch, tokenizer)
-    replace_directory(tmp, final)
+    is_ours = _matches(WEIGHTS_FILES)
+    staging = begin_output(final, is_ours, force=force)
+    try:
+        for rank, shard in enumerate(shards):
+            write_rank_weights(staging, rank, shard)
+        write_weights_record(staging, arch, tokenizer)
+        commit_output(staging, final, is_ours)
+    except BaseException:
+        abandon_output(staging)
+        raise
 
 
 class HFWriter:
     """Writes a Hugging Face checkpoint tensor by tensor into safetensors shards of at most
-    `shard_bytes`, then the index, config.json and tokenizer files; the directory appears
-    complete or not at all."""
+    `shard_bytes`, then the index, config.json and tokenizer files, in a staging directory
+    put in place when complete (`abandon()` on failure): the export appears whole or not at
+    all, and files in the directory that an export does not write are kept."""
 
-    def __init__(self, directory: str | Path, *, shard_bytes: int = 4 << 30) -> None:
+    def __init__(
+        self, directory: str | Path, *, shard_bytes: int = 4 << 30, force: bool = False
+    ) -> None:
         self.final = Path(directory)
-        self.tmp = fresh_sibling(self.final)
+        self.is_ours = _matches(HF_FILES)
+        self.tmp = begin_output(self.final, self.is_ours, force=force)
         self.shard_bytes = shard_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
@@ -279,4 +292,7 @@ class HFWriter:
                 for f in Path(tokenizer_dir).glob(pattern):
                     if f.is_file():
                         shutil.copy(f, self.tmp / f.name)
-        replace_directory(self.tmp, self.final)
+        commit_output(self.tmp, self.final, self.is_ours)
+
+    def abandon(self) -> None:
+        abandon_output(self.tmp)

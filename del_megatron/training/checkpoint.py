@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,14 @@ import torch.distributed as dist
 
 from ..config import ConfigError, dump_run_config
 from ..data import StreamingLoader
+from ..errors import UserError, one_line
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 DEEPSPEED_TAG = "state"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be resumed from; the message names the directory."""
 
 
@@ -146,19 +148,51 @@ def resolve(resume: str, output_dir: str) -> Path | None:
     return path
 
 
-def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
-    """Restore model, optimizer, scheduler, RNG and this rank's loader; returns the step."""
+def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
+    """A checkpoint this run can resume from, before anything is loaded (preflight runs it
+    too): its metadata, tokenizer, tensor-parallel size and architecture, and the files
+    DeepSpeed does not check. Returns meta.json; CheckpointError names the first problem."""
     try:
         meta = json.loads((path / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}/meta.json: unreadable ({err})") from None
-    if meta.get("tokenizer") != run.tokenizer.fingerprint:
+        step = int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}/meta.json: unreadable ({one_line(err)})") from None
+    if meta.get("tokenizer") != fingerprint:
         raise CheckpointError(f"{path}: saved with another tokenizer than data.tokenizer")
-    if meta.get("tensor_parallel") != run.cfg.parallel.tensor_parallel:
+    if meta.get("tensor_parallel") != cfg.parallel.tensor_parallel:
         raise CheckpointError(
             f"{path}: saved at tensor parallel {meta.get('tensor_parallel')}, this run uses "
-            f"{run.cfg.parallel.tensor_parallel}"
+            f"{cfg.parallel.tensor_parallel}"
         )
+    arch_path = path / "model" / "arch.json"
+    try:
+        saved = json.loads(arch_path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{arch_path}: unreadable ({one_line(err)})") from None
+    for name, value in cfg.model.model_dump(mode="json").items():
+        if name in saved and saved[name] != value:
+            raise CheckpointError(
+                f"{path}: saved with model.{name}={saved[name]}, this run has {value} "
+                "(another architecture)"
+            )
+    try:
+        states = json.loads((path / "data_state.json").read_text())
+        if not isinstance(states, list) or len(states) != meta.get("world_size"):
+            raise ValueError(f"{len(states)} states for {meta.get('world_size')} ranks")
+    except (OSError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{path}/data_state.json: unreadable ({one_line(err)})") from None
+    if meta.get("world_size") == world:
+        for rank in range(world):
+            rng = path / "rng" / f"rank{rank:05d}.pt"
+            if not rng.is_file():
+                raise CheckpointError(f"{rng}: missing")
+    meta["step"] = step
+    return meta
+
+
+def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
+    """Restore model, optimizer, scheduler, RNG and this rank's loader; returns the step."""
+    meta = check(path, run.cfg, run.tokenizer.fingerprint, run.world)
     same_layout = meta.get("data_parallel") == run.dp_size
     try:
         if same_layout:
@@ -195,12 +229,16 @@ def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
             flush=True,
         )
     if meta.get("world_size") == run.world:
-        rng = torch.load(path / "rng" / f"rank{run.rank:05d}.pt", weights_only=True)
-        torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and run.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"])
+        rng_path = path / "rng" / f"rank{run.rank:05d}.pt"
+        try:
+            rng = torch.load(rng_path, weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            if rng.get("cuda") is not None and run.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"])
+        except (OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as err:
+            raise CheckpointError(f"{rng_path}: unreadable ({one_line(err)[:200]})") from None
     if loader is not None:
-        states = json.loads((path / "data_state.json").read_text())
+        states = json.loads((path / "data_state.json").read_text())  # checked above
         if same_layout:
             loader.load_state_dict(states[run.rank])
         else:

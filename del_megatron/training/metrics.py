@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config import ConfigError
+
 
 class PairSum:
     """Sums report dicts {name: [sum, count]} over micro-batches; reduce() over ranks."""
@@ -47,8 +49,8 @@ class WandbSink:
         self.run = None
         if mode == "disabled":
             return
-        if mode == "online" and not os.environ.get("WANDB_API_KEY"):
-            raise ValueError("logging.wandb=online needs WANDB_API_KEY in the environment")
+        if mode == "online" and not os.environ.get("WANDB_API_KEY"):  # preflight says so first
+            raise ConfigError("logging.wandb=online needs WANDB_API_KEY in the environment")
         import wandb
 
         os.makedirs(out_dir, exist_ok=True)

@@ -4,6 +4,7 @@ tokenizer, initial weights, data manifests. Each failure is a ConfigError with o
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, RunConfig
@@ -22,12 +23,47 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _writable(directory: Path) -> None:
+    """output_dir can be created and written (checked without creating anything)."""
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir={directory}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir={directory}: {existing} is not writable")
+
+
+def _resume_point(cfg: RunConfig, resume: str, fingerprint: str, world: int) -> int | None:
+    """The step a run resumes at (None: from the start); refuses a fresh start over another
+    run's checkpoints, which it would mix with and prune."""
+    from . import checkpoint
+
+    try:
+        path = checkpoint.resolve(resume, cfg.output_dir)
+        if path is not None:
+            return checkpoint.check(path, cfg, fingerprint, world)["step"]
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(f"--resume {resume}: {err}") from None
+    found = checkpoint.complete_checkpoints(checkpoint.root_of(cfg.output_dir))
+    if resume == "none" and found:
+        raise ConfigError(
+            f"output_dir={cfg.output_dir} holds checkpoints of an earlier run (newest "
+            f"{found[-1].name}): --resume auto to continue it, or choose another output_dir"
+        )
+    return None
+
+
 def preflight(
-    cfg: RunConfig, world_size: int | None = None, *, device_here: bool = True
+    cfg: RunConfig,
+    world_size: int | None = None,
+    *,
+    device_here: bool = True,
+    resume: str = "none",
 ) -> dict[str, Any]:
-    """The resolved parallel layout; raises ConfigError naming the first problem.
-    device_here=False (a dry run on a machine without the run's GPUs) skips the device check
-    and reports the device as configured."""
+    """The resolved parallel layout; raises ConfigError naming the first problem: every check
+    the run would make before its first step. device_here=False (a dry run on a machine
+    without the run's GPUs) skips the device check and reports the device as configured."""
     world = world_size or launch_world_size()
     dp = cfg.data_parallel_size(world)
     accumulation = cfg.accumulation_steps(world)
@@ -65,10 +101,18 @@ def preflight(
             allow_pipe=cfg.data.allow_pipe,
         )
         try:
-            load_manifests(probe, fingerprint)
+            load_manifests(probe, fingerprint, check_shards=True)
         except DataError as err:
             raise ConfigError(f"{section}: {err}") from None
+    _writable(Path(cfg.output_dir))
+    if cfg.logging.wandb == "online" and not os.environ.get("WANDB_API_KEY"):
+        raise ConfigError(
+            "logging.wandb=online needs WANDB_API_KEY in the environment (or logging.wandb="
+            "offline, synced later with `wandb sync`)"
+        )
+    resumes_at = _resume_point(cfg, resume, fingerprint, world)
     return {
+        "resume_step": resumes_at,
         "world_size": world,
         "tensor_parallel": cfg.parallel.tensor_parallel,
         "data_parallel": dp,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError, RunConfig, deepspeed_config
 from ..data import DataConfig, StreamingLoader
+from ..errors import UserError
 from ..models.device import recompute_overrides, resolve_device, select_accelerator
 from .initial_weights import initialize_weights
 from .metrics import PairSum, Reporter
@@ -30,7 +31,7 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 BatchSource = Callable[[int, int], dict[str, torch.Tensor]]  # (step, micro) -> batch
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """Too many optimizer steps in a row with non-finite loss or gradients."""
 
 

@@ -243,7 +243,7 @@ def test_bad_checkpoints_give_one_line_and_exit_non_zero(
             "--resume",
             str(saved),
         ],
-        "cannot load the model/optimizer state",
+        "saved with model.ffn_hidden_size=352, this run has 256",
     )  # another architecture
     other = tmp_path / "other-shards"
     build_shards([synth_corpus / "heldout.jsonl"], other, spm_split_digits, progress=False)
@@ -255,6 +255,11 @@ def test_bad_checkpoints_give_one_line_and_exit_non_zero(
         ],
         "saved with another tokenizer",
     )
+    rng = saved / "rng" / "rank00000.pt"
+    original = rng.read_bytes()
+    rng.write_bytes(original[:40])  # cut short
+    fails([*base, "train.steps=4", "--resume", str(saved)], "rank00000.pt: unreadable")
+    rng.write_bytes(original)
     for state in saved.glob("state/*model_states.pt"):
         state.write_bytes(state.read_bytes()[:100])  # corrupted
     fails([*base, "train.steps=4", "--resume", str(saved)], "cannot load the model/optimizer state")

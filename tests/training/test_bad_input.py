@@ -1,0 +1,177 @@
+"""del-train with mistakes a user can make: each gives one line naming the field or file,
+exit status 2, no traceback, and writes nothing (the dry run runs every check the real run
+makes before its first step: manifests and their shards, output directory, wandb
+credentials, the checkpoint to resume from)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from del_megatron.cli.train import main
+from del_megatron.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def setup(tmp_path, synth_tokenizer, synth_shards, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    shards = tmp_path / "shards"
+    shutil.copytree(synth_shards.parent, shards)
+    tree = yaml.safe_load((ROOT / "configs" / "tiny_cpu.yaml").read_text())
+    tree["data"]["tokenizer"] = str(synth_tokenizer)
+    tree["data"]["sources"] = [{"manifest": str(shards / "manifest.json")}]
+    tree["eval"]["sources"] = []
+    tree["output_dir"] = str(tmp_path / "run")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    return tmp_path, config, shards, Tokenizer(synth_tokenizer).fingerprint, tree
+
+
+def fake_checkpoint(out: Path, tree: dict, fingerprint: str, *, world: int = 2) -> Path:
+    """The files of a checkpoint that del-train checks before loading (DeepSpeed's are not
+    needed for the checks)."""
+    from del_megatron.config import parse_run_config
+
+    cfg = parse_run_config(tree)
+    path = out / "checkpoints" / "step-0000004"
+    (path / "model").mkdir(parents=True)
+    (path / "rng").mkdir()
+    meta = {"step": 4, "world_size": world, "data_parallel": 1, "tensor_parallel": 2}
+    (path / "meta.json").write_text(json.dumps({**meta, "tokenizer": fingerprint}))
+    (path / "model" / "arch.json").write_text(cfg.model.model_dump_json())
+    (path / "data_state.json").write_text(json.dumps([{}] * world))
+    for rank in range(world):
+        torch.save({"torch": torch.get_rng_state()}, path / "rng" / f"rank{rank:05d}.pt")
+    return path
+
+
+def damage(case: str, tmp: Path, shards: Path, fingerprint: str, tree: dict) -> list[str]:
+    """Prepare `case`; returns the extra arguments it needs."""
+    manifest = shards / "manifest.json"
+    data = json.loads(manifest.read_text())
+    out = Path(tree["output_dir"])
+    if case == "missing shard":
+        (shards / data["shards"][1]["name"]).unlink()
+    elif case == "no shards":
+        manifest.write_text(json.dumps({**data, "shards": [], "documents": 0, "tokens": 0}))
+    elif case == "shard of another size":
+        path = shards / data["shards"][0]["name"]
+        path.write_bytes(path.read_bytes()[:-512])
+    elif case == "manifest not JSON":
+        manifest.write_text("{not json")
+    elif case == "manifest from the future":
+        manifest.write_text(json.dumps({**data, "version": 99}))
+    elif case == "output under a file":
+        (tmp / "afile").write_text("x")
+        return [f"output_dir={tmp / 'afile' / 'run'}"]
+    elif case.startswith("checkpoint"):
+        path = fake_checkpoint(out, tree, fingerprint)
+        if case == "checkpoint data_state cut":
+            state = path / "data_state.json"
+            state.write_text(state.read_text()[:5])
+        elif case == "checkpoint meta cut":
+            (path / "meta.json").write_text('{"step": 4, "wor')
+        elif case == "checkpoint of another architecture":
+            arch = json.loads((path / "model" / "arch.json").read_text())
+            (path / "model" / "arch.json").write_text(json.dumps({**arch, "hidden_size": 256}))
+        elif case == "checkpoint missing rng":
+            (path / "rng" / "rank00001.pt").unlink()
+        elif case == "checkpoint of another tokenizer":
+            meta = json.loads((path / "meta.json").read_text())
+            (path / "meta.json").write_text(json.dumps({**meta, "tokenizer": "vocab-other"}))
+        if case != "checkpoint over a fresh start":
+            return ["--resume", str(path)]
+    elif case == "init.hf missing":
+        return ["init.hf=models/nowhere", "init.hf_hub_id=org/model", "data.tokenizer=null"]
+    elif case == "init.hf broken config":
+        (tmp / "hf").mkdir()
+        (tmp / "hf" / "config.json").write_text("{broken")
+        return [f"init.hf={tmp / 'hf'}"]
+    elif case == "empty tokenizer file":
+        (tmp / "empty.model").write_bytes(b"")
+        return [f"data.tokenizer={tmp / 'empty.model'}"]
+    return []
+
+
+CASES = [
+    # (case, extra overrides / options, expected in the one line)
+    ("bool for an int", ["train.steps=true"], "train.steps: Input should be a valid integer"),
+    ("int for a bool", ["train.activation_checkpointing=1"], "Input should be a valid boolean"),
+    ("bool for a float", ["optim.lr=true"], "optim.lr: Input should be a valid number"),
+    ("empty key part", ["train..steps=3"], "is not of the form section.field=value"),
+    ("no key", ["=3"], "is not of the form section.field=value"),
+    ("bad YAML value", ["optim.lr=[1"], "override optim.lr line 1: not valid YAML"),
+    ("section is a value", ["optim.lr.x=1"], "override optim.lr.x: lr is not a section"),
+    ("missing shard", [], "listed in"),
+    ("no shards", [], "the manifest lists no shards"),
+    ("shard of another size", [], "(truncated or replaced?)"),
+    ("manifest not JSON", [], "not a shard manifest"),
+    ("manifest from the future", [], "manifest version 99 is newer"),
+    ("wandb online without key", ["logging.wandb=online"], "needs WANDB_API_KEY"),
+    ("output under a file", [], "is not a directory"),
+    ("resume from nowhere", ["--resume", "/nowhere"], "not a complete checkpoint directory"),
+    ("checkpoint data_state cut", [], "data_state.json: unreadable"),
+    ("checkpoint meta cut", [], "meta.json: unreadable"),
+    ("checkpoint of another architecture", [], "saved with model.hidden_size=256"),
+    ("checkpoint missing rng", [], "rank00001.pt: missing"),
+    ("checkpoint of another tokenizer", [], "saved with another tokenizer"),
+    (
+        "checkpoint over a fresh start",
+        [],
+        "holds checkpoints of an earlier run (newest step-0000004)",
+    ),
+    ("init.hf missing", [], "huggingface-cli download org/model --local-dir models/nowhere"),
+    ("init.hf broken config", [], "config.json: not JSON"),
+    ("empty tokenizer file", [], "data.tokenizer:"),
+    (
+        "seq_len beyond the window",
+        ["model.family=mistral", "model.sliding_window=64"],
+        "exceeds model.sliding_window=64",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "extra", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_dry_run_mistakes(case, extra, expected, setup, capsys):
+    tmp, config, shards, fingerprint, tree = setup
+    args = damage(case, tmp, shards, fingerprint, tree)
+    before = snapshot(tmp)
+    code = main(["--config", str(config), "--dry-run", *extra, *args])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("del-train: error: "), err
+    assert "Traceback" not in err
+    assert expected in err, err
+    assert snapshot(tmp) == before  # the dry run wrote nothing
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--deepspeed-json", "0"], "--deepspeed-json: must be at least 1"),
+        (["--gpu-memory", "-1"], "--gpu-memory: must be greater than 0"),
+    ],
+)
+def test_option_mistakes(argv, expected, setup, capsys):
+    _, config, *_ = setup
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(config), *argv])
+    assert exit_.value.code == 2
+    assert expected in capsys.readouterr().err
