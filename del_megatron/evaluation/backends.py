@@ -1,0 +1,124 @@
+"""The model under evaluation: a del-megatron checkpoint (run by megatron-core, one process)
+or a Hugging Face directory (run by transformers), each giving logits [b, s, V] for token
+windows, and greedy continuations for prompts.
+
+The two paths are independent implementations of the same network, so their teacher-forced
+metrics on the same windows agree to float32 rounding (tested within 1e-4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import UserError
+from ..models.weight_files import WEIGHTS, tokenizer_in
+from ..tokenizer import Tokenizer
+
+
+@dataclass
+class Loaded:
+    kind: str  # "checkpoint" or "hf"
+    path: Path
+    tokenizer: Tokenizer
+    forward: Any  # tokens [b, s] long -> logits [b, s, V] float32 (V: the tokenizer's size)
+    seq_len: int | None  # the training sequence length, when the checkpoint says it
+    hf_model: Any = None  # the transformers model, for generation (Hugging Face directories)
+
+
+def model_kind(path: Path) -> str:
+    if (path / WEIGHTS / "arch.json").is_file():
+        return "checkpoint"
+    if (path / "config.json").is_file():
+        return "hf"
+    raise UserError(
+        f"{path}: neither a del-megatron checkpoint (model/arch.json) nor a Hugging Face "
+        "model directory (config.json)"
+    )
+
+
+def _single_process_groups() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def load_model(path: Path, device: torch.device) -> Loaded:
+    kind = model_kind(path)
+    if kind == "checkpoint":
+        return _load_checkpoint(path, device)
+    return _load_hf(path, device)
+
+
+def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
+    import yaml
+
+    from ..losses import NumericLossConfig
+    from ..models.device import select_accelerator
+    from ..models.llama import build_llama
+    from ..models.weight_files import MegatronWeights
+    from ..models.weights import load_megatron
+
+    select_accelerator(device)
+    weights = MegatronWeights(path)
+    tokenizer_path = weights.tokenizer()
+    if tokenizer_path is None:
+        raise UserError(f"{path}/{WEIGHTS}: no tokenizer file beside the weights")
+    tokenizer = Tokenizer(tokenizer_path)
+    _single_process_groups()
+    arch = weights.arch
+    model = build_llama(arch, tokenizer.digit_vocab, NumericLossConfig(kind="mle"), device)
+    load_megatron(model, weights, arch.padded_vocab_size(1))
+    model.eval()
+    vocab = arch.vocab_size
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.to(device)
+        positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+        with torch.no_grad():
+            return model(tokens, positions, None)[..., :vocab].float()
+
+    seq_len = None
+    config = path / "run_config.yaml"
+    if config.is_file():
+        seq_len = yaml.safe_load(config.read_text())["train"]["seq_len"]
+    return Loaded("checkpoint", path, tokenizer, forward, seq_len)
+
+
+def _load_hf(path: Path, device: torch.device) -> Loaded:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" of a few tensors
+    tokenizer_path = tokenizer_in(path)
+    if tokenizer_path is None:
+        raise UserError(f"{path}: no tokenizer.json or tokenizer.model")
+    tokenizer = Tokenizer(tokenizer_path)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    vocab = model.config.vocab_size
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(tokens.to(device)).logits[..., :vocab].float()
+
+    return Loaded("hf", path, tokenizer, forward, None, model)
+
+
+def hf_directory(loaded: Loaded, scratch: Path) -> Path:
+    """A Hugging Face directory of the model: its own, or the checkpoint exported once into
+    `scratch` (generation and lm-evaluation-harness run on transformers)."""
+    if loaded.kind == "hf":
+        return loaded.path
+    out = scratch / "hf-export"
+    if not (out / "config.json").is_file():
+        from ..models.export import export_hf
+
+        export_hf(loaded.path, out, dtype="float32")
+    return out

@@ -1,0 +1,166 @@
+"""Teacher-forced numeric metrics from full-vocabulary logits: plain tensor math, summed in
+float64 so that batches (and ranks) add up exactly.
+
+At each position whose target is a digit, the digit-conditional distribution p̂ is the
+softmax over the ten digit classes (a class's member ids merged by log-sum-exp, as in the
+losses), and the greedy digit is its argmax. Numbers are the runs that `losses.places`
+finds (digits, with a decimal point inside); every number is read twice, from the target
+digits and from the greedy ones at the same places, giving its exact match and its absolute
+and relative error. A number cut by the window's edge counts as the part inside.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..losses.places import digit_places
+from ..losses.vocab import NOT_A_CLASS, DigitVocab
+
+ENTROPY_BINS = 20  # histogram of H(p̂) over [0, ln 10]
+CALIBRATION_BINS = 10  # of the greedy digit's probability over [0, 1]
+MAX_PLACE = 12  # integer places 0..MAX_PLACE-1 and decimal places 1..MAX_PLACE tracked
+
+
+def _class_logits(logits: torch.Tensor, vocab: DigitVocab) -> torch.Tensor:
+    """[n, V] -> [n, 10] digit-class logits (members merged by log-sum-exp)."""
+    ids, valid = vocab.class_members(10, logits.device)
+    member = logits[:, ids]  # [n, 10, M]
+    member = member.masked_fill(~valid, float("-inf"))
+    return torch.logsumexp(member, dim=-1)
+
+
+def _number_ids(classes: torch.Tensor, decimal_point: torch.Tensor) -> torch.Tensor:
+    """[b, s] long: 1.. for the positions of each number (digits and its point), 0 elsewhere,
+    numbered across the batch."""
+    member = ((classes >= 0) & (classes <= 9)) | decimal_point
+    before = torch.nn.functional.pad(member[:, :-1], (1, 0))
+    start = member & ~before
+    flat_start = start.flatten()
+    ids = torch.cumsum(flat_start.long(), dim=0).view_as(classes)
+    return torch.where(member, ids, 0)
+
+
+def batch_statistics(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, vocab: DigitVocab
+) -> dict[str, torch.Tensor]:
+    """Sums of one batch. logits [b, s, V] (V the tokenizer's vocabulary, padding columns
+    removed), labels [b, s] (labels[:, t] is the target of logits[:, t]), loss_mask [b, s]."""
+    logits = logits.float()
+    vocab_size = logits.shape[-1]
+    mask = loss_mask.bool()
+    table = vocab.class_table(vocab_size, logits.device)
+    classes = torch.where(mask, table[labels.clamp(0, table.numel() - 1)], NOT_A_CLASS)
+    place, decimal_point = digit_places(classes)
+    is_digit = (classes >= 0) & (classes <= 9)
+
+    flat = logits.view(-1, vocab_size)
+    log_z = torch.logsumexp(flat, dim=-1)
+    target_logit = flat.gather(1, labels.reshape(-1, 1).clamp(0, vocab_size - 1)).squeeze(1)
+    m = mask.flatten()
+    nll = (log_z - target_logit)[m].double()
+
+    d = is_digit.flatten()
+    digit_logits = flat[d]  # [n, V]
+    target = classes.flatten()[d]  # [n]
+    class_logp = torch.log_softmax(_class_logits(digit_logits, vocab), dim=-1).double()
+    p = class_logp.exp()
+    greedy = p.argmax(dim=-1)
+    cond_correct = greedy == target
+    row_max = digit_logits.max(dim=-1).values
+    full_correct = target_logit[d] >= row_max  # the target is a top token of the whole row
+    entropy = -(p * class_logp).sum(-1)
+    confidence = p.max(dim=-1).values
+
+    places = place.flatten()[d]
+    decimal = places < 0  # digit_places: decimal digits have negative places
+    place_index = torch.where(decimal, MAX_PLACE - 1 - places, places).clamp(0, 2 * MAX_PLACE - 1)
+    place_counts = torch.zeros(2 * MAX_PLACE, 2, dtype=torch.float64)
+    place_counts[:, 1].index_add_(0, place_index, torch.ones_like(places, dtype=torch.float64))
+    place_counts[:, 0].index_add_(0, place_index, cond_correct.double())
+
+    entropy_bin = (entropy / math.log(10) * ENTROPY_BINS).long().clamp(0, ENTROPY_BINS - 1)
+    entropy_hist = torch.zeros(ENTROPY_BINS, dtype=torch.float64)
+    entropy_hist.index_add_(0, entropy_bin, torch.ones_like(entropy))
+    conf_bin = (confidence * CALIBRATION_BINS).long().clamp(0, CALIBRATION_BINS - 1)
+    calibration = torch.zeros(CALIBRATION_BINS, 3, dtype=torch.float64)  # count, conf, correct
+    calibration[:, 0].index_add_(0, conf_bin, torch.ones_like(confidence))
+    calibration[:, 1].index_add_(0, conf_bin, confidence)
+    calibration[:, 2].index_add_(0, conf_bin, cond_correct.double())
+
+    # numbers: value = sum of digit * 10^place, read from targets and from greedy digits
+    numbers = _number_ids(classes, decimal_point).flatten()[d]
+    count = int(numbers.max()) + 1 if numbers.numel() else 1
+    scale = torch.pow(10.0, places.double())
+    true_value = torch.zeros(count, dtype=torch.float64).index_add_(0, numbers, target * scale)
+    greedy_value = torch.zeros(count, dtype=torch.float64).index_add_(0, numbers, greedy * scale)
+    wrong = torch.zeros(count, dtype=torch.float64).index_add_(0, numbers, (~cond_correct).double())
+    has_digits = torch.zeros(count, dtype=torch.bool)
+    has_digits[numbers] = True
+    abs_error = (greedy_value - true_value).abs()[has_digits]
+    nonzero = true_value[has_digits] != 0
+    rel_error = abs_error[nonzero] / true_value[has_digits][nonzero].abs()
+    return {
+        "tokens": torch.tensor(float(m.sum())),
+        "nll": nll.sum(),
+        "digits": torch.tensor(float(d.sum())),
+        "digit_correct": full_correct.double().sum(),
+        "digit_cond_correct": cond_correct.double().sum(),
+        "entropy": entropy.sum(),
+        "numbers": torch.tensor(float(has_digits.sum())),
+        "numbers_exact": (wrong[has_digits] == 0).double().sum(),
+        "abs_error": abs_error.sum(),
+        "rel_numbers": torch.tensor(float(nonzero.sum())),
+        "rel_error": rel_error.sum(),
+        "places": place_counts,
+        "entropy_hist": entropy_hist,
+        "calibration": calibration,
+    }
+
+
+class NumericMetrics:
+    """Sums `batch_statistics` over batches; `result()` gives the metrics."""
+
+    def __init__(self, vocab: DigitVocab) -> None:
+        self.vocab = vocab
+        self.totals: dict[str, torch.Tensor] = {}
+
+    def add(self, logits, labels, loss_mask) -> None:
+        for key, value in batch_statistics(logits, labels, loss_mask, self.vocab).items():
+            value = value.double().cpu()
+            self.totals[key] = self.totals[key] + value if key in self.totals else value
+
+    def result(self) -> dict:
+        t = {k: v.tolist() for k, v in self.totals.items()}
+        tokens, digits = t["tokens"], t["digits"]
+        loss = t["nll"] / tokens if tokens else float("nan")
+        by_place = {}
+        for index, (correct, count) in enumerate(t["places"]):
+            if count:
+                name = f"int_{index}" if index < MAX_PLACE else f"dec_{index - MAX_PLACE + 1}"
+                by_place[name] = correct / count
+        calibration_error = 0.0
+        for count, confidence, correct in t["calibration"]:
+            if count:
+                calibration_error += count / digits * abs(correct / count - confidence / count)
+        div = lambda a, b: a / b if b else float("nan")  # noqa: E731
+        return {
+            "tokens": int(tokens),
+            "loss": loss,
+            "perplexity": math.exp(loss) if loss == loss else float("nan"),
+            "digits": int(digits),
+            "digit_acc": div(t["digit_correct"], digits),
+            "digit_cond_acc": div(t["digit_cond_correct"], digits),
+            "digit_acc_by_place": by_place,
+            "numbers": int(t["numbers"]),
+            "number_exact_match": div(t["numbers_exact"], t["numbers"]),
+            "number_abs_error": div(t["abs_error"], t["numbers"]),
+            "number_rel_error": div(t["rel_error"], t["rel_numbers"]),
+            "digit_entropy": div(t["entropy"], digits),
+            "digit_entropy_histogram": {
+                "edges": [i * math.log(10) / ENTROPY_BINS for i in range(ENTROPY_BINS + 1)],
+                "counts": [int(c) for c in t["entropy_hist"]],
+            },
+            "digit_calibration_error": calibration_error if digits else float("nan"),
+        }

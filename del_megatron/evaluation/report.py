@@ -1,0 +1,167 @@
+"""Evaluation results as files: results.json (everything), results.md (a table), and for a
+comparison of runs, PNG plots (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+SUMMARY = [  # (label, path in results.json, format)
+    ("loss", ("numeric", "loss"), ".4f"),
+    ("perplexity", ("numeric", "perplexity"), ".2f"),
+    ("digit acc", ("numeric", "digit_acc"), ".4f"),
+    ("digit acc among digits", ("numeric", "digit_cond_acc"), ".4f"),
+    ("number exact", ("numeric", "number_exact_match"), ".4f"),
+    ("number abs err", ("numeric", "number_abs_error"), ".3g"),
+    ("number rel err", ("numeric", "number_rel_error"), ".3g"),
+    ("digit entropy", ("numeric", "digit_entropy"), ".4f"),
+    ("digit ECE", ("numeric", "digit_calibration_error"), ".4f"),
+    ("gen accuracy", ("generation", "accuracy"), ".4f"),
+    ("gen abs err", ("generation", "mean_abs_error"), ".3g"),
+]
+
+
+def _get(results: dict, path: tuple[str, ...]) -> float | None:
+    node: Any = results
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node if isinstance(node, int | float) else None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def markdown_table(results: dict) -> str:
+    rows = ["| metric | value |", "|---|---|"]
+    for label, path, fmt in SUMMARY:
+        value = _get(results, path)
+        if value is not None:
+            rows.append(f"| {label} | {value:{fmt}} |")
+    places = results.get("numeric", {}).get("digit_acc_by_place", {})
+    if places:
+        rows.append(
+            "| digit acc by place | " + ", ".join(f"{k} {v:.3f}" for k, v in places.items()) + " |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def write_results(out: Path, results: dict) -> None:
+    write_atomic(out / "results.json", json.dumps(results, indent=1, sort_keys=True) + "\n")
+    write_atomic(
+        out / "results.md", f"# {results.get('model', 'evaluation')}\n\n" + markdown_table(results)
+    )
+
+
+def mean_and_spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value); NaNs left out."""
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    if not kept:
+        return float("nan"), float("nan")
+    return statistics.fmean(kept), statistics.stdev(kept) if len(kept) > 1 else 0.0
+
+
+def comparison_table(groups: dict[str, list[dict]]) -> str:
+    """One row per group (a loss kind), mean ± spread over its runs (seeds)."""
+    shown = [
+        (label, path, fmt)
+        for label, path, fmt in SUMMARY
+        if any(_get(r, path) is not None for rs in groups.values() for r in rs)
+    ]
+    header = "| run | n | " + " | ".join(label for label, _, _ in shown) + " |"
+    rows = [header, "|---|---|" + "---|" * len(shown)]
+    for name, runs in groups.items():
+        cells = []
+        for _, path, fmt in shown:
+            mean, spread = mean_and_spread([_get(r, path) for r in runs])
+            cells.append(f"{mean:{fmt}} ± {spread:{fmt}}" if not math.isnan(mean) else "—")
+        rows.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def plot_comparison(
+    groups: dict[str, list[dict]], curves: dict[str, list[list[tuple[int, float]]]], out: Path
+) -> list[Path]:
+    """digit_entropy.png (histograms of H(p̂) per group), place_accuracy.png (accuracy by
+    place), loss_curves.png (training cross entropy from metrics.jsonl, mean over runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, runs in groups.items():
+        hists = [r["numeric"]["digit_entropy_histogram"] for r in runs if "numeric" in r]
+        if not hists:
+            continue
+        edges = hists[0]["edges"]
+        counts = [sum(h["counts"][i] for h in hists) for i in range(len(edges) - 1)]
+        total = sum(counts) or 1
+        centers = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
+        ax.plot(centers, [c / total for c in counts], marker=".", label=name)
+    ax.axvline(math.log(10), color="grey", linestyle=":", label="ln 10 (uniform)")
+    ax.set_xlabel("digit entropy H(p̂) at digit targets (nats)")
+    ax.set_ylabel("share of digit positions")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "digit_entropy.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, runs in groups.items():
+        places = {}
+        for r in runs:
+            for key, value in r.get("numeric", {}).get("digit_acc_by_place", {}).items():
+                places.setdefault(key, []).append(value)
+        order = sorted(places, key=_place_order)
+        ax.plot(order, [statistics.fmean(places[k]) for k in order], marker="o", label=name)
+    ax.set_xlabel("place (int_0 = units, dec_1 = tenths)")
+    ax.set_ylabel("digit accuracy (greedy among digits)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "place_accuracy.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, runs in curves.items():
+        if not runs:
+            continue
+        steps = sorted({s for run in runs for s, _ in run})
+        by_step = [dict(run) for run in runs]
+        mean = [statistics.fmean(r[s] for r in by_step if s in r) for s in steps]
+        ax.plot(steps, mean, label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training cross entropy (comparable across kinds)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "loss_curves.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    return written
+
+
+def _place_order(key: str) -> tuple[int, int]:
+    kind, _, number = key.partition("_")
+    return (0, -int(number)) if kind == "int" else (1, int(number))
+
+
+def read_curve(metrics_jsonl: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()]
+    key = "ce" if rows and "ce" in rows[0] else "loss"  # CE: the one term every kind shares
+    return [(r["step"], r[key]) for r in rows if key in r]

