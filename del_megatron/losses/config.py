@@ -68,6 +68,14 @@ class NumericLossConfig(BaseModel):
     ignore_index: int = -100
     """Label value that marks a position without a target."""
 
+    fused_output: bool = False
+    """In a model: compute the output layer and the loss together in token chunks
+    (`vocab_parallel_fused_numeric_loss`), never holding the [tokens, V/tp] logits; same
+    values and gradients as the unfused path."""
+
+    fused_chunk_tokens: int = Field(default=0, ge=0)
+    """Tokens per chunk of the fused path; 0 chooses by device (models/device.py)."""
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> NumericLossConfig:
         if self.include_decimal_point and self.kind != "del":

@@ -11,11 +11,14 @@ EMO adds one all-reduce of [tokens, 2 * hidden] (expected embedding and target e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from .assemble import (
     NumericLossOutput,
+    Targets,
     assemble,
     check_logits_labels,
     compute_dtype,
@@ -151,6 +154,89 @@ def _default_group() -> dist.ProcessGroup:
     return parallel_state.get_tensor_model_parallel_group()
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What both vocabulary-parallel ops need before their autograd function: the targets,
+    the targets' rows in the logits' [s, b] order, the class members, this rank's slice."""
+
+    targets: Targets
+    target_sb: torch.Tensor
+    member_ids: torch.Tensor
+    member_valid: torch.Tensor
+    vocab_start: int
+    vocab_size: int
+    group: dist.ProcessGroup
+    seq: int
+    batch: int
+
+
+def prepare_vocab_parallel(
+    shard_shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    labels: torch.Tensor,
+    vocab: DigitVocab,
+    cfg: NumericLossConfig,
+    loss_mask: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    cost_embedding: torch.Tensor | None,
+) -> Prepared:
+    """Checks and target preparation for logits of shape `shard_shape` [s, b, V/tp]."""
+    seq, batch, local_columns = shard_shape
+    check_logits_labels(torch.Size((batch, seq, local_columns)), labels, "logits [s, b] as [b, s]")
+    group = group if group is not None else _default_group()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    padded_size = world * local_columns
+    vocab_size = vocab.vocab_size if vocab.vocab_size is not None else padded_size
+    if vocab_size > padded_size:
+        raise ValueError(
+            f"logit shards cover {padded_size} vocabulary columns ({world} x {local_columns}) "
+            f"but the tokenizer has {vocab_size} tokens"
+        )
+    if cfg.kind == "emo":
+        if cost_embedding is None or cost_embedding.shape[0] != local_columns:
+            raise ValueError(
+                f"kind='emo' needs cost_embedding: this rank's [{local_columns}, hidden] rows of "
+                "emo_cost_embedding(output_layer.weight)"
+            )
+    targets = prepare_targets(labels, vocab, cfg, loss_mask, vocab_size, compute_dtype(dtype))
+    # Logit rows run over [s, b]; target rows over [b, s]: reorder the small tensors only.
+    target_sb = targets.safe_labels.view(batch, seq).t().reshape(-1)
+    member_ids, member_valid = vocab.class_members(cfg.num_classes, device)
+    return Prepared(
+        targets,
+        target_sb,
+        member_ids,
+        member_valid,
+        rank * local_columns,
+        vocab_size,
+        group,
+        seq,
+        batch,
+    )
+
+
+def finish_vocab_parallel(
+    prepared: Prepared,
+    cfg: NumericLossConfig,
+    ce: torch.Tensor,
+    class_logits: torch.Tensor,
+    target_is_max: torch.Tensor,
+    emo: torch.Tensor,
+) -> NumericLossOutput:
+    """The parts (rows in [s, b] order) assembled into the loss (rows in [b, s] order)."""
+    seq, batch, targets = prepared.seq, prepared.batch, prepared.targets
+    rows_sb = (targets.rows % seq) * batch + targets.rows // seq
+    return assemble(
+        targets,
+        _to_bs(ce, seq, batch),
+        class_logits.index_select(0, rows_sb),
+        target_is_max.index_select(0, rows_sb),
+        cfg,
+        _to_bs(emo, seq, batch) if cfg.kind == "emo" else None,
+    )
+
+
 def vocab_parallel_numeric_loss(
     logits_shard: torch.Tensor,
     labels: torch.Tensor,
@@ -172,47 +258,28 @@ def vocab_parallel_numeric_loss(
     if logits_shard.dim() != 3:
         raise ValueError(f"logits_shard must be [s, b, V/tp], got {tuple(logits_shard.shape)}")
     seq, batch, local_columns = logits_shard.shape
-    check_logits_labels(torch.Size((batch, seq, local_columns)), labels, "logits [s, b] as [b, s]")
-    group = group if group is not None else _default_group()
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    padded_size = world * local_columns
-    vocab_size = vocab.vocab_size if vocab.vocab_size is not None else padded_size
-    if vocab_size > padded_size:
-        raise ValueError(
-            f"logit shards cover {padded_size} vocabulary columns ({world} x {local_columns}) "
-            f"but the tokenizer has {vocab_size} tokens"
-        )
-    if cfg.kind == "emo":
-        if cost_embedding is None or cost_embedding.shape[0] != local_columns:
-            raise ValueError(
-                f"kind='emo' needs cost_embedding: this rank's [{local_columns}, hidden] rows of "
-                "emo_cost_embedding(output_layer.weight)"
-            )
-    dtype = compute_dtype(logits_shard.dtype)
-    targets = prepare_targets(labels, vocab, cfg, loss_mask, vocab_size, dtype)  # rows in [b, s]
-
-    # Logit rows run over [s, b]; target rows over [b, s]: reorder the small tensors only.
-    target_sb = targets.safe_labels.view(batch, seq).t().reshape(-1)
-    member_ids, member_valid = vocab.class_members(cfg.num_classes, logits_shard.device)
+    prepared = prepare_vocab_parallel(
+        logits_shard.shape,
+        logits_shard.dtype,
+        logits_shard.device,
+        labels,
+        vocab,
+        cfg,
+        loss_mask,
+        group,
+        cost_embedding,
+    )
     ce, class_logits, target_is_max, emo = _VocabParallelParts.apply(
         logits_shard.reshape(seq * batch, local_columns),
-        target_sb,
-        member_ids,
-        member_valid,
-        rank * local_columns,
-        vocab_size,
-        group,
+        prepared.target_sb,
+        prepared.member_ids,
+        prepared.member_valid,
+        prepared.vocab_start,
+        prepared.vocab_size,
+        prepared.group,
         cost_embedding if cfg.kind == "emo" else None,
     )
-    rows_sb = (targets.rows % seq) * batch + targets.rows // seq
-    return assemble(
-        targets,
-        _to_bs(ce, seq, batch),
-        class_logits.index_select(0, rows_sb),
-        target_is_max.index_select(0, rows_sb),
-        cfg,
-        _to_bs(emo, seq, batch) if cfg.kind == "emo" else None,
-    )
+    return finish_vocab_parallel(prepared, cfg, ce, class_logits, target_is_max, emo)
 
 
 def _to_bs(per_row: torch.Tensor, seq: int, batch: int) -> torch.Tensor:

@@ -78,6 +78,16 @@ def bind_local_device(device: torch.device, local_rank: int) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
+def fused_chunk_tokens(device: torch.device, requested: int) -> int:
+    """Tokens per chunk of the fused output layer + loss (0: this device's default). Each
+    chunk's float32 logits [chunk, V/tp] are the path's largest buffers; the matmul
+    dominates its time, and bigger chunks run it at fuller speed (docs/benchmarks.md has the
+    measurements behind these numbers)."""
+    if requested:
+        return requested
+    return 4096 if device.type == "cuda" else 512
+
+
 def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:
     """Activation recompute: on GPU when enabled (megatron's recompute saves CUDA RNG state,
     so it cannot run on CPU)."""

@@ -40,13 +40,22 @@ class NumericLossGPTModel(GPTModel):
         finally:
             self._loss_mask = None
 
+    def _cost_embedding(self) -> torch.Tensor | None:
+        if self.loss_config.kind != "emo":
+            return None
+        if self.emo_cost_embedding is None:
+            self.freeze_emo_cost_embedding()
+        return self.emo_cost_embedding
+
+    def _per_token(self, out) -> torch.Tensor:
+        per_token = out.per_token
+        setattr(per_token, STATS_ATTRIBUTE, out.stats)
+        # also kept here: wrappers may hand on a new tensor (DeepSpeed ZeRO-3 does)
+        self.last_numeric_stats = out.stats
+        return per_token
+
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor):
         """labels [b, s], logits [s, b, V/tp] -> per-token losses [b, s]."""
-        cost = None
-        if self.loss_config.kind == "emo":
-            if self.emo_cost_embedding is None:
-                self.freeze_emo_cost_embedding()
-            cost = self.emo_cost_embedding
         out = vocab_parallel_numeric_loss(
             logits,
             labels,
@@ -54,13 +63,43 @@ class NumericLossGPTModel(GPTModel):
             self.loss_config,
             self._loss_mask,
             group=self.pg_collection.tp,
-            cost_embedding=cost,
+            cost_embedding=self._cost_embedding(),
         )
-        per_token = out.per_token
-        setattr(per_token, STATS_ATTRIBUTE, out.stats)
-        # also kept here: wrappers may hand on a new tensor (DeepSpeed ZeRO-3 does)
-        self.last_numeric_stats = out.stats
-        return per_token
+        return self._per_token(out)
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        """With labels and loss_config.fused_output: the output layer and the loss in token
+        chunks (hidden [s, b, h] -> per-token losses [b, s]); otherwise megatron-core's own
+        (output layer, then compute_language_model_loss)."""
+        if labels is None or not self.loss_config.fused_output or self.config.sequence_parallel:
+            return super()._postprocess(
+                hidden_states, input_ids, position_ids, labels, *args, **kwargs
+            )
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        from ..losses.fused import vocab_parallel_fused_numeric_loss
+        from .device import fused_chunk_tokens
+
+        weight = (
+            self.shared_embedding_or_output_weight()
+            if self.share_embeddings_and_output_weights
+            else self.output_layer.weight
+        )
+        # as in megatron's output layer: identity forward, all-reduce of the input gradient
+        # (each rank's is a partial sum over its vocabulary shard) in backward
+        hidden = copy_to_tensor_model_parallel_region(hidden_states, group=self.pg_collection.tp)
+        out = vocab_parallel_fused_numeric_loss(
+            hidden,
+            weight,
+            labels,
+            self.digit_vocab,
+            self.loss_config,
+            self._loss_mask,
+            group=self.pg_collection.tp,
+            cost_embedding=self._cost_embedding(),
+            chunk_tokens=fused_chunk_tokens(hidden.device, self.loss_config.fused_chunk_tokens),
+        )
+        return self._per_token(out)
 
 
 def loss_func(

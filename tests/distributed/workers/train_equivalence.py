@@ -32,7 +32,7 @@ def config(tokenizer: str, manifest: str, tp: int, zero: int, kind: str):
                 # 800 is a multiple of 16 x TP for TP 1 and 2: one padded size, one init
                 "make_vocab_size_divisible_by": 16,
             },
-            "loss": {"kind": kind},
+            "loss": {"kind": kind.removesuffix("+fused"), "fused_output": kind.endswith("+fused")},
             "parallel": {"tensor_parallel": tp, "zero_stage": zero},
             "optim": {"lr": 1e-3, "warmup_fraction": 0.2, "clip_grad": 1.0},
             "train": {

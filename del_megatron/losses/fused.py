@@ -1,0 +1,245 @@
+"""The output layer fused with the numeric losses on vocabulary shards, in token chunks: no
+[tokens, V/tp] logits tensor outlives a chunk.
+
+Forward, per chunk of `chunk_tokens` rows: logits = hidden @ W_shard^T (in the inputs' dtype,
+as megatron's output layer makes them), upcast once, then this rank's row maximum, the sum
+of exponentials relative to it, the target logit and the digit-class member logits it owns
+(and EMO's expected embedding). After the last chunk the same two collectives as
+`vocab_parallel_numeric_loss`: an all-reduce MAX of the row maxima, then one packed
+all-reduce SUM in which each rank's sum of exponentials is rescaled to the global maximum
+(the log-sum-exp of two partial softmaxes, as in online softmax). Only per-token statistics
+are kept.
+
+Backward, per chunk: the logits are recomputed, the gradient of that chunk's logits is formed
+from the saved statistics exactly as the unfused op forms it, and gradients of `hidden` (this
+rank's partial sum over its vocabulary shard, as for `hidden @ W_shard^T`) and of `W_shard`
+are accumulated. No collective in backward; in a model the output layer's all-reduce of the
+input gradient across tensor-parallel ranks comes from megatron's
+`copy_to_tensor_model_parallel_region`, as for its own output layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .assemble import NumericLossOutput, compute_dtype
+from .config import NumericLossConfig
+from .vocab import DigitVocab
+from .vocab_parallel import finish_vocab_parallel, prepare_vocab_parallel
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+class _FusedParts(torch.autograd.Function):
+    """hidden [N, h], weight shard [V/tp, h] -> ce [N], class logits [N, K], target_is_max
+    [N], emo [N]; the same outputs as _VocabParallelParts on hidden @ weight^T."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        target,
+        member_ids,
+        member_valid,
+        vocab_start,
+        vocab_size,
+        group,
+        cost,
+        chunk,
+    ):
+        dtype = compute_dtype(hidden.dtype)
+        rows = hidden.shape[0]
+        local_columns = weight.shape[0]
+        owned = max(0, min(local_columns, vocab_size - vocab_start))
+        device = hidden.device
+        num_classes, width = member_ids.shape
+        flat_ids = member_ids.flatten()
+        owns_target = (target >= vocab_start) & (target < vocab_start + owned)
+        local_target = torch.where(owns_target, target - vocab_start, 0)
+        owns_member = (
+            (flat_ids >= vocab_start) & (flat_ids < vocab_start + owned) & member_valid.flatten()
+        )
+        local_member = torch.where(owns_member, flat_ids - vocab_start, 0)
+        local_cost = cost[:owned].to(dtype) if cost is not None else None
+
+        w = weight[:owned]
+        row_max = torch.full((rows,), float("-inf"), dtype=dtype, device=device)
+        extra = local_cost.shape[1] * 2 if local_cost is not None else 0
+        # per token: sum of exponentials, target logit, member logits, [EMO: expected and
+        # target embeddings]; summed over ranks in one all-reduce
+        packed = torch.zeros(rows, 2 + flat_ids.numel() + extra, dtype=dtype, device=device)
+        if owned:
+            for start in range(0, rows, chunk):
+                stop = min(start + chunk, rows)
+                z = (hidden[start:stop] @ w.T).to(dtype)  # [c, owned], the chunk's logits
+                part = packed[start:stop]
+                # the raw target and member logits first (exact, however far below the max)
+                target_logit = z.gather(1, local_target[start:stop].unsqueeze(1)).squeeze(1)
+                part[:, 1] = torch.where(owns_target[start:stop], target_logit, 0.0)
+                members = z.index_select(1, local_member)
+                part[:, 2 : 2 + flat_ids.numel()] = torch.where(owns_member, members, 0.0)
+                m = z.amax(dim=-1)
+                row_max[start:stop] = m
+                exp = z.sub_(m.unsqueeze(1)).exp_()  # z is the chunk's own buffer
+                part[:, 0] = exp.sum(dim=-1)
+                if local_cost is not None:
+                    h_emb = local_cost.shape[1]
+                    base = 2 + flat_ids.numel()
+                    part[:, base : base + h_emb] = exp @ local_cost
+                    part[:, base + h_emb :] = local_cost[local_target[start:stop]] * owns_target[
+                        start:stop
+                    ].unsqueeze(1)
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        rescale = torch.exp(row_max - global_max)  # 0 where this rank owns no column
+        packed[:, 0] *= rescale
+        if local_cost is not None:
+            h_emb = local_cost.shape[1]
+            base = 2 + flat_ids.numel()
+            packed[:, base : base + h_emb] *= rescale.unsqueeze(1)
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+
+        sum_exp, target_logit = packed[:, 0], packed[:, 1]
+        members = packed[:, 2 : 2 + flat_ids.numel()].reshape(rows, num_classes, width)
+        members = members.masked_fill(~member_valid, float("-inf"))
+        class_logits = torch.logsumexp(members, dim=-1)
+        member_share = torch.softmax(members, dim=-1)
+        ce = torch.log(sum_exp) + global_max - target_logit
+        target_is_max = target_logit >= global_max
+
+        emo = torch.zeros(0, dtype=dtype, device=device)
+        target_embedding = None
+        if local_cost is not None:
+            h_emb = local_cost.shape[1]
+            base = 2 + flat_ids.numel()
+            expected = packed[:, base : base + h_emb]
+            target_embedding = packed[:, base + h_emb :]
+            emo = 1 - (target_embedding * expected).sum(-1) / sum_exp
+            ctx.emo_cost = local_cost
+
+        ctx.mark_non_differentiable(target_is_max)
+        ctx.save_for_backward(
+            hidden,
+            weight,
+            global_max,
+            sum_exp,
+            local_target,
+            owns_target,
+            member_share,
+            local_member,
+            owns_member,
+            emo,
+            target_embedding,
+        )
+        ctx.owned, ctx.chunk = owned, chunk
+        return ce, class_logits, target_is_max, emo
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_class, _grad_is_max, grad_emo):
+        (
+            hidden,
+            weight,
+            global_max,
+            sum_exp,
+            local_target,
+            owns_target,
+            member_share,
+            local_member,
+            owns_member,
+            emo,
+            target_embedding,
+        ) = ctx.saved_tensors
+        owned, chunk = ctx.owned, ctx.chunk
+        dtype = compute_dtype(hidden.dtype)
+        rows = hidden.shape[0]
+        grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        if not owned:
+            return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), *([None] * 8)
+        w = weight[:owned]
+        member_grad = (grad_class.unsqueeze(-1) * member_share).reshape(rows, -1) * owns_member
+        for start in range(0, rows, chunk):
+            stop = min(start + chunk, rows)
+            h = hidden[start:stop]
+            z = (h @ w.T).to(dtype)
+            # softmax of the global row: exp(z - max) / sum, in z's own buffer
+            grad = z.sub_(global_max[start:stop].unsqueeze(1)).exp_()
+            scale = grad_ce[start:stop] / sum_exp[start:stop]
+            if target_embedding is not None:
+                similarity = target_embedding[start:stop] @ ctx.emo_cost.T  # [c, owned]
+                similarity.sub_((1 - emo[start:stop]).unsqueeze(1))
+                similarity.mul_(-grad_emo[start:stop].unsqueeze(1))
+                similarity.add_(grad_ce[start:stop].unsqueeze(1))
+                grad.mul_(similarity).div_(sum_exp[start:stop].unsqueeze(1))
+            else:
+                grad.mul_(scale.unsqueeze(1))
+            grad.scatter_add_(
+                1,
+                local_target[start:stop].unsqueeze(1),
+                (-grad_ce[start:stop] * owns_target[start:stop]).unsqueeze(1).to(grad.dtype),
+            )
+            grad.index_add_(1, local_member, member_grad[start:stop].to(grad.dtype))
+            grad = grad.to(hidden.dtype)  # as the unfused op hands its gradient to the matmul
+            grad_hidden[start:stop] = grad @ w
+            if grad_weight.dtype == grad.dtype:
+                grad_weight[:owned].addmm_(grad.T, h)
+            else:  # half inputs: the chunk's product in their dtype, summed in float32
+                grad_weight[:owned] += grad.T @ h
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), *([None] * 8)
+
+
+def vocab_parallel_fused_numeric_loss(
+    hidden: torch.Tensor,
+    output_weight_shard: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: DigitVocab,
+    cfg: NumericLossConfig | None = None,
+    loss_mask: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    cost_embedding: torch.Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> NumericLossOutput:
+    """`vocab_parallel_numeric_loss(hidden @ output_weight_shard.T, ...)` without the logits.
+
+    hidden: [s, b, h] (the output layer's input, not sequence-parallel); output_weight_shard:
+    [V/tp, h], this rank's rows of the (padded) vocabulary; labels, loss_mask: [b, s].
+    Gradients flow to `hidden` (this rank's part, as for the product) and the weight shard.
+    """
+    cfg = cfg or NumericLossConfig()
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [s, b, h], got {tuple(hidden.shape)}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    seq, batch, width = hidden.shape
+    if output_weight_shard.dim() != 2 or output_weight_shard.shape[1] != width:
+        raise ValueError(
+            f"output_weight_shard must be [V/tp, {width}], got {tuple(output_weight_shard.shape)}"
+        )
+    local_columns = output_weight_shard.shape[0]
+    prepared = prepare_vocab_parallel(
+        torch.Size((seq, batch, local_columns)),
+        hidden.dtype,
+        hidden.device,
+        labels,
+        vocab,
+        cfg,
+        loss_mask,
+        group,
+        cost_embedding,
+    )
+    ce, class_logits, target_is_max, emo = _FusedParts.apply(
+        hidden.reshape(seq * batch, width),
+        output_weight_shard,
+        prepared.target_sb,
+        prepared.member_ids,
+        prepared.member_valid,
+        prepared.vocab_start,
+        prepared.vocab_size,
+        prepared.group,
+        cost_embedding if cfg.kind == "emo" else None,
+        chunk_tokens,
+    )
+    return finish_vocab_parallel(prepared, cfg, ce, class_logits, target_is_max, emo)
