@@ -226,6 +226,13 @@ def compare_main(argv: list[str]) -> int:
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
+        "--agree-within",
+        type=float,
+        metavar="TOL",
+        help="fail (exit 2) unless every teacher-forced metric agrees across the runs within "
+        "TOL (relative to max(1, |value|)): e.g. a checkpoint and its export",
+    )
+    parser.add_argument(
         "--group-by",
         choices=["run", "parent-name"],
         default="run",
@@ -250,12 +257,28 @@ def compare_main(argv: list[str]) -> int:
         metrics = directory / "metrics.jsonl"
         if metrics.is_file():
             curves.setdefault(name, []).append(read_curve(metrics))
+    if args.agree_within is not None:
+        check_agreement([r for rs in groups.values() for r in rs], args.agree_within)
     table = comparison_table(groups)
     write_atomic(args.out / "comparison.md", table)
     for png in plot_comparison(groups, curves, args.out):
         print(f"plot: {png}")
     print(table, end="")
     return 0
+
+
+def check_agreement(results: list[dict], tolerance: float) -> None:
+    """Every scalar teacher-forced metric equal across `results` within `tolerance`."""
+    numeric = [r["numeric"] for r in results if "numeric" in r]
+    if len(numeric) != len(results) or len(numeric) < 2:
+        raise UserError("--agree-within needs two or more results with teacher-forced metrics")
+    for key, value in numeric[0].items():
+        if not isinstance(value, int | float):
+            continue
+        values = [n[key] for n in numeric]
+        if max(values) - min(values) > tolerance * max(1.0, abs(value)):
+            raise UserError(f"{key} differs beyond {tolerance:g}: {values}")
+    print(f"teacher-forced metrics agree within {tolerance:g}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,7 +77,7 @@ def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
     model = build_llama(arch, tokenizer.digit_vocab, NumericLossConfig(kind="mle"), device)
     load_megatron(model, weights, arch.padded_vocab_size(1))
     model.eval()
-    vocab = arch.vocab_size
+    vocab = tokenizer.vocab_size  # columns past the tokenizer's are padding, as in training
 
     def forward(tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.to(device)
@@ -101,8 +101,13 @@ def _load_hf(path: Path, device: torch.device) -> Loaded:
         raise UserError(f"{path}: no tokenizer.json or tokenizer.model")
     tokenizer = Tokenizer(tokenizer_path)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    vocab = model.config.vocab_size
+    # transformers >= 4.56 names the argument dtype, earlier releases torch_dtype
+    legacy = tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (4, 56)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, **{"torch_dtype" if legacy else "dtype": dtype}
+    )
+    model = model.to(device).eval()
+    vocab = tokenizer.vocab_size  # columns past the tokenizer's are padding, as in training
 
     def forward(tokens: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

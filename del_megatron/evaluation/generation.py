@@ -106,6 +106,18 @@ def cut_at_stops(text: str) -> str:
     return text[: min(ends)] if ends else text
 
 
+class _TokenizerVocabulary:
+    """Greedy decoding among the tokenizer's ids: a model's vocabulary can be padded past
+    them (rows that training never targets), and those ids decode to nothing."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.size :] = float("-inf")
+        return scores
+
+
 def generate_transformers(
     model, tokenizer, prompts: list[str], *, max_new_tokens: int, batch_size: int, progress: bool
 ) -> list[str]:
@@ -130,6 +142,7 @@ def generate_transformers(
                 do_sample=False,
                 pad_token_id=eos,
                 eos_token_id=eos,
+                logits_processor=[_TokenizerVocabulary(tokenizer.vocab_size)],
             )
         for row in generated[:, width:].tolist():
             if eos in row:

@@ -7,8 +7,9 @@
 #   bash launch/experiments/compare_losses.sh          # about 35 minutes on 2 CPU cores
 #   bash launch/experiments/compare_losses.sh --ci     # 2 kinds, 1 seed, 20 steps, into runs/
 #
-# Runs go to $ROOT/runs/KIND-SEED (default runs/compare); a run with results.json is kept and
-# not trained again, so an interrupted comparison continues where it stopped.
+# Runs go to $ROOT/runs/KIND-SEED (default runs/compare); a finished run is not trained again
+# and an evaluated one not evaluated again, so an interrupted comparison continues where it
+# stopped.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -37,18 +38,21 @@ data=$root/data
 for kind in "${kinds[@]}"; do
   for seed in "${seeds[@]}"; do
     run=$root/runs/$kind-$seed
+    checkpoint=$run/checkpoints/step-$(printf %07d "$steps")
     if [ -f "$run/results.json" ]; then continue; fi
-    rm -rf "$run/checkpoints" "$run/metrics.jsonl" # a run of ours cut short: start it again
-    mkdir -p "$run"
-    echo "== $kind, seed $seed"
-    OMP_NUM_THREADS=1 $bin/torchrun --nproc_per_node=2 --master_addr=127.0.0.1 \
-      --master_port="${MASTER_PORT:-29561}" -m del_megatron.cli.train \
-      --config configs/tiny_cpu.yaml "loss.kind=$kind" "train.seed=$seed" \
-      "train.steps=$steps" "data.tokenizer=$data/tokenizer.model" \
-      "data.sources=[{manifest: $data/shards/train/manifest.json}]" "eval.sources=[]" \
-      "train.log_interval=$steps" logging.wandb=disabled logging.progress_bar=false \
-      "output_dir=$run" >"$run/train.log" 2>&1 || { tail -20 "$run/train.log"; exit 1; }
-    $bin/del-eval "$run/checkpoints/step-$(printf %07d "$steps")" \
+    if [ ! -f "$checkpoint/meta.json" ]; then
+      rm -rf "$run" # a run of ours cut short: start it again
+      mkdir -p "$run"
+      echo "== $kind, seed $seed"
+      OMP_NUM_THREADS=1 $bin/torchrun --nproc_per_node=2 --master_addr=127.0.0.1 \
+        --master_port="${MASTER_PORT:-29561}" -m del_megatron.cli.train \
+        --config configs/tiny_cpu.yaml "loss.kind=$kind" "train.seed=$seed" \
+        "train.steps=$steps" "data.tokenizer=$data/tokenizer.model" \
+        "data.sources=[{manifest: $data/shards/train/manifest.json}]" "eval.sources=[]" \
+        "train.log_interval=$steps" logging.wandb=disabled logging.progress_bar=false \
+        "output_dir=$run" >"$run/train.log" 2>&1 || { tail -20 "$run/train.log"; exit 1; }
+    fi
+    $bin/del-eval "$checkpoint" \
       --heldout "$data/shards/heldout/manifest.json" --seq-len 128 --batch-size 8 \
       --gsm8k "$data/corpus/heldout.jsonl" --shots 0 --template $'{question}\nAnswer:' \
       --limit 100 --max-new-tokens 12 --device cpu --quiet --out "$run" >/dev/null
