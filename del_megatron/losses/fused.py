@@ -26,7 +26,12 @@ import torch.distributed as dist
 from .assemble import NumericLossOutput, compute_dtype
 from .config import NumericLossConfig
 from .vocab import DigitVocab
-from .vocab_parallel import finish_vocab_parallel, prepare_vocab_parallel
+from .vocab_parallel import (
+    finish_vocab_parallel,
+    logit_gradient_,
+    parts_from_sums,
+    prepare_vocab_parallel,
+)
 
 DEFAULT_CHUNK_TOKENS = 1024
 
@@ -54,7 +59,6 @@ class _FusedParts(torch.autograd.Function):
         local_columns = weight.shape[0]
         owned = max(0, min(local_columns, vocab_size - vocab_start))
         device = hidden.device
-        num_classes, width = member_ids.shape
         flat_ids = member_ids.flatten()
         owns_target = (target >= vocab_start) & (target < vocab_start + owned)
         local_target = torch.where(owns_target, target - vocab_start, 0)
@@ -101,13 +105,10 @@ class _FusedParts(torch.autograd.Function):
             packed[:, base : base + h_emb] *= rescale.unsqueeze(1)
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
 
-        sum_exp, target_logit = packed[:, 0], packed[:, 1]
-        members = packed[:, 2 : 2 + flat_ids.numel()].reshape(rows, num_classes, width)
-        members = members.masked_fill(~member_valid, float("-inf"))
-        class_logits = torch.logsumexp(members, dim=-1)
-        member_share = torch.softmax(members, dim=-1)
-        ce = torch.log(sum_exp) + global_max - target_logit
-        target_is_max = target_logit >= global_max
+        sum_exp = packed[:, 0]
+        ce, class_logits, member_share, target_is_max = parts_from_sums(
+            sum_exp, packed[:, 1], packed[:, 2 : 2 + flat_ids.numel()], global_max, member_valid
+        )
 
         emo = torch.zeros(0, dtype=dtype, device=device)
         target_embedding = None
@@ -164,23 +165,21 @@ class _FusedParts(torch.autograd.Function):
             stop = min(start + chunk, rows)
             h = hidden[start:stop]
             z = (h @ w.T).to(dtype)
-            # softmax of the global row: exp(z - max) / sum, in z's own buffer
-            grad = z.sub_(global_max[start:stop].unsqueeze(1)).exp_()
-            scale = grad_ce[start:stop] / sum_exp[start:stop]
+            c = slice(start, stop)
+            emo_parts = None
             if target_embedding is not None:
-                similarity = target_embedding[start:stop] @ ctx.emo_cost.T  # [c, owned]
-                similarity.sub_((1 - emo[start:stop]).unsqueeze(1))
-                similarity.mul_(-grad_emo[start:stop].unsqueeze(1))
-                similarity.add_(grad_ce[start:stop].unsqueeze(1))
-                grad.mul_(similarity).div_(sum_exp[start:stop].unsqueeze(1))
-            else:
-                grad.mul_(scale.unsqueeze(1))
-            grad.scatter_add_(
-                1,
-                local_target[start:stop].unsqueeze(1),
-                (-grad_ce[start:stop] * owns_target[start:stop]).unsqueeze(1).to(grad.dtype),
+                emo_parts = (ctx.emo_cost, target_embedding[c], emo[c], grad_emo[c])
+            exp = z.sub_(global_max[c].unsqueeze(1)).exp_()  # in z's own buffer
+            grad = logit_gradient_(
+                exp,
+                sum_exp[c],
+                grad_ce[c],
+                local_target[c],
+                owns_target[c],
+                member_grad[c],
+                local_member,
+                emo_parts,
             )
-            grad.index_add_(1, local_member, member_grad[start:stop].to(grad.dtype))
             grad = grad.to(hidden.dtype)  # as the unfused op hands its gradient to the matmul
             grad_hidden[start:stop] = grad @ w
             if grad_weight.dtype == grad.dtype:

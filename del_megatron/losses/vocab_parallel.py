@@ -28,6 +28,41 @@ from .config import NumericLossConfig
 from .vocab import DigitVocab
 
 
+def parts_from_sums(sum_exp, target_logit, member_logits, row_max, member_valid):
+    """Per-token sums (over every rank) -> ce [N], class logits [N, K], member shares
+    [N, K, M] (each member's part of its class), target_is_max [N]."""
+    rows = sum_exp.shape[0]
+    members = member_logits.reshape(rows, *member_valid.shape)
+    members = members.masked_fill(~member_valid, float("-inf"))
+    class_logits = torch.logsumexp(members, dim=-1)
+    member_share = torch.softmax(members, dim=-1)
+    ce = torch.log(sum_exp) + row_max - target_logit
+    return ce, class_logits, member_share, target_logit >= row_max
+
+
+def logit_gradient_(
+    exp, sum_exp, grad_ce, local_target, owns_target, member_grad, local_member, emo_parts=None
+):
+    """exp [c, owned] = exp(z - max) of some rows becomes, in place, the gradient of the loss
+    with respect to their logits z: softmax * dCE (+ the EMO part), minus dCE at the target,
+    plus each digit class's gradient spread over its member ids by their shares.
+    emo_parts: (cost [owned, h], target embedding [c, h], emo [c], grad_emo [c]) or None."""
+    if emo_parts is not None:
+        cost, target_embedding, emo, grad_emo = emo_parts
+        # d emo_t / d z_u = -q_u (e_t . e_u - (1 - emo_t))
+        similarity = target_embedding @ cost.T  # [c, owned]
+        similarity.sub_((1 - emo).unsqueeze(1)).mul_(-grad_emo.unsqueeze(1))
+        similarity.add_(grad_ce.unsqueeze(1))
+        grad = exp.mul_(similarity).div_(sum_exp.unsqueeze(1))
+    else:
+        grad = exp.mul_((grad_ce / sum_exp).unsqueeze(1))
+    grad.scatter_add_(
+        1, local_target.unsqueeze(1), (-grad_ce * owns_target).unsqueeze(1).to(grad.dtype)
+    )
+    grad.index_add_(1, local_member, member_grad.to(grad.dtype))
+    return grad
+
+
 class _VocabParallelParts(torch.autograd.Function):
     """logits shard [N, V/tp] -> ce [N], class logits [N, K], target_is_max [N], emo [N]."""
 
@@ -52,7 +87,6 @@ class _VocabParallelParts(torch.autograd.Function):
             exp = torch.sub(z, row_max.unsqueeze(1)).exp_()
         else:
             exp = work.sub_(row_max.unsqueeze(1)).exp_()
-        num_classes, width = member_ids.shape
         flat_ids = member_ids.flatten()
         owns_target = (target >= vocab_start) & (target < vocab_start + owned)
         local_target = torch.where(owns_target, target - vocab_start, 0)
@@ -69,13 +103,10 @@ class _VocabParallelParts(torch.autograd.Function):
             packed[:, 2:] = torch.where(owns_member, z.index_select(1, local_member).to(dtype), 0.0)
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
 
-        sum_exp, target_logit = packed[:, 0], packed[:, 1]
-        members = packed[:, 2:].view(rows, num_classes, width)
-        members = members.masked_fill(~member_valid, float("-inf"))
-        class_logits = torch.logsumexp(members, dim=-1)
-        member_share = torch.softmax(members, dim=-1)
-        ce = torch.log(sum_exp) + row_max - target_logit
-        target_is_max = target_logit >= row_max
+        sum_exp = packed[:, 0]
+        ce, class_logits, member_share, target_is_max = parts_from_sums(
+            sum_exp, packed[:, 1], packed[:, 2:], row_max, member_valid
+        )
 
         emo = torch.zeros(0, dtype=dtype, device=logits.device)
         target_embedding = None
@@ -129,20 +160,14 @@ class _VocabParallelParts(torch.autograd.Function):
         local_columns, dtype = ctx.layout
         rows = exp.shape[0]
 
-        # softmax * dCE (+ the EMO part), written into the saved exp buffer
-        if target_embedding is not None:
-            # d emo_t / d z_u = -q_u (e_t . e_u - (1 - emo_t))
-            similarity = target_embedding @ ctx.emo_cost.T  # [N, owned]
-            similarity.sub_((1 - emo).unsqueeze(1)).mul_(-grad_emo.unsqueeze(1))
-            similarity.add_(grad_ce.unsqueeze(1))
-            grad = exp.mul_(similarity).div_(sum_exp.unsqueeze(1))
-        else:
-            grad = exp.mul_((grad_ce / sum_exp).unsqueeze(1))
-        grad.scatter_add_(
-            1, local_target.unsqueeze(1), (-grad_ce * owns_target).unsqueeze(1).to(grad.dtype)
-        )
         member_grad = (grad_class.unsqueeze(-1) * member_share).reshape(rows, -1) * owns_member
-        grad.index_add_(1, local_member, member_grad.to(grad.dtype))
+        emo_parts = None
+        if target_embedding is not None:
+            emo_parts = (ctx.emo_cost, target_embedding, emo, grad_emo)
+        # written into the saved exp buffer
+        grad = logit_gradient_(
+            exp, sum_exp, grad_ce, local_target, owns_target, member_grad, local_member, emo_parts
+        )
         if grad.shape[1] != local_columns:  # padded vocabulary columns: zero gradient
             grad = torch.nn.functional.pad(grad, (0, local_columns - grad.shape[1]))
         return grad.to(dtype), None, None, None, None, None, None, None
