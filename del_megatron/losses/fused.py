@@ -95,6 +95,7 @@ class _FusedParts(torch.autograd.Function):
                     part[:, base + h_emb :] = local_cost[local_target[start:stop]] * owns_target[
                         start:stop
                     ].unsqueeze(1)
+                del z, exp  # or this chunk's buffer outlives the next chunk's product
         global_max = row_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
         rescale = torch.exp(row_max - global_max)  # 0 where this rank owns no column
@@ -156,10 +157,11 @@ class _FusedParts(torch.autograd.Function):
         dtype = compute_dtype(hidden.dtype)
         rows = hidden.shape[0]
         grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        weight_grad = _WeightGradient(weight, dtype)
         if not owned:
-            return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), *([None] * 8)
+            return grad_hidden.to(hidden.dtype), weight_grad.result(), *([None] * 8)
         w = weight[:owned]
+        accumulator = weight_grad.accumulator[:owned]
         member_grad = (grad_class.unsqueeze(-1) * member_share).reshape(rows, -1) * owns_member
         for start in range(0, rows, chunk):
             stop = min(start + chunk, rows)
@@ -182,11 +184,49 @@ class _FusedParts(torch.autograd.Function):
             )
             grad = grad.to(hidden.dtype)  # as the unfused op hands its gradient to the matmul
             grad_hidden[start:stop] = grad @ w
-            if grad_weight.dtype == grad.dtype:
-                grad_weight[:owned].addmm_(grad.T, h)
+            if accumulator.dtype == grad.dtype:
+                accumulator.addmm_(grad.T, h)
             else:  # half inputs: the chunk's product in their dtype, summed in float32
-                grad_weight[:owned] += grad.T @ h
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), *([None] * 8)
+                accumulator += grad.T @ h
+            del z, exp, grad  # one chunk buffer at a time
+        return grad_hidden.to(hidden.dtype), weight_grad.result(), *([None] * 8)
+
+
+class _WeightGradient:
+    """Where the chunks' weight gradients [V/tp, h] are summed.
+
+    Training holds the parameter's `.grad` between micro-batches (or DeepSpeed hands it a
+    fresh one each backward). When it is there, the chunks are summed into it (a half
+    `.grad`: summed in float32, then added once) and autograd is handed a zero that costs no
+    memory (stride 0), so no second weight-sized tensor exists; AccumulateGrad adds that
+    zero, and its hooks (DeepSpeed's reduction) read the summed `.grad` as usual. Otherwise
+    (no `.grad`, a non-leaf weight, double backward) the buffer summed into is returned, as a
+    plain autograd function would. Hooks on the weight tensor itself (`register_hook`) see
+    the zero in the first case.
+    """
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        self.weight = weight
+        existing = None
+        if weight.is_leaf and weight.requires_grad and not torch.is_grad_enabled():
+            existing = weight.grad
+        if existing is not None and (
+            existing.shape != weight.shape or existing.layout != torch.strided
+        ):
+            existing = None
+        self.existing = existing
+        if existing is not None and existing.dtype == dtype:
+            self.accumulator = existing
+        else:
+            self.accumulator = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+
+    def result(self) -> torch.Tensor:
+        if self.existing is None:
+            return self.accumulator.to(self.weight.dtype)
+        if self.accumulator is not self.existing:
+            self.existing.add_(self.accumulator)  # the float32 sum, rounded once
+        zero = torch.zeros((), dtype=self.weight.dtype, device=self.weight.device)
+        return zero.expand(self.weight.shape)
 
 
 def vocab_parallel_fused_numeric_loss(
