@@ -21,3 +21,6 @@ echo "== the same in float32"
 python3 bench/loss_tp.py --device cuda --dtype fp32 --vocab 152064 --tokens 16384 --repeats 10
 echo "== training step, 4-layer Llama-2-7B widths, seq 4096, bf16, TP 1: DEL vs MLE"
 python3 bench/train_step.py --gpu-7b --steps 6
+echo "== fused output layer + DEL vs megatron output layer + CE: TP 1, bf16, V=152064, 16384 tokens"
+python3 bench/loss_fused.py --device cuda --dtype bf16 --tp 1 --tokens 16384 --chunk 1024 \
+  --repeats 5 --chunks 512,2048,4096

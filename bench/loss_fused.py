@@ -195,7 +195,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=152064)
     p.add_argument("--hidden", type=int, default=1536)
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--chunks", default="", help="also time these chunk sizes (comma-separated)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--worker", action="store_true")

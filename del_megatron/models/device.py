@@ -80,12 +80,14 @@ def bind_local_device(device: torch.device, local_rank: int) -> None:
 
 def fused_chunk_tokens(device: torch.device, requested: int) -> int:
     """Tokens per chunk of the fused output layer + loss (0: this device's default). Each
-    chunk's float32 logits [chunk, V/tp] are the path's largest buffers; the matmul
-    dominates its time, and bigger chunks run it at fuller speed (docs/benchmarks.md has the
-    measurements behind these numbers)."""
+    chunk's float32 logits [chunk, V/tp] are the path's largest buffer, so the chunk sets
+    its memory; the matmul sets its time. CPU: 256, 512 and 1024 tokens ran within 2% of
+    each other (docs/benchmarks.md), so the smallest. GPU: 1024 keeps a chunk's logits at
+    about 6% of megatron's for 16,384 tokens, and a [1024, h] x [h, V/tp] product is still
+    large enough to fill the GPU (not yet measured there)."""
     if requested:
         return requested
-    return 4096 if device.type == "cuda" else 512
+    return 1024 if device.type == "cuda" else 256
 
 
 def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:
