@@ -28,6 +28,7 @@ from .config import NumericLossConfig
 from .vocab import DigitVocab
 from .vocab_parallel import (
     finish_vocab_parallel,
+    local_ids,
     logit_gradient_,
     parts_from_sums,
     prepare_vocab_parallel,
@@ -59,21 +60,19 @@ class _FusedParts(torch.autograd.Function):
         local_columns = weight.shape[0]
         owned = max(0, min(local_columns, vocab_size - vocab_start))
         device = hidden.device
-        flat_ids = member_ids.flatten()
-        owns_target = (target >= vocab_start) & (target < vocab_start + owned)
-        local_target = torch.where(owns_target, target - vocab_start, 0)
-        owns_member = (
-            (flat_ids >= vocab_start) & (flat_ids < vocab_start + owned) & member_valid.flatten()
+        owns_target, local_target, owns_member, local_member = local_ids(
+            target, member_ids, member_valid, vocab_start, owned
         )
-        local_member = torch.where(owns_member, flat_ids - vocab_start, 0)
+        members_width = member_ids.numel()
+        base = 2 + members_width  # where EMO's two embeddings start in the packed row
         local_cost = cost[:owned].to(dtype) if cost is not None else None
 
         w = weight[:owned]
         row_max = torch.full((rows,), float("-inf"), dtype=dtype, device=device)
-        extra = local_cost.shape[1] * 2 if local_cost is not None else 0
+        h_emb = local_cost.shape[1] if local_cost is not None else 0
         # per token: sum of exponentials, target logit, member logits, [EMO: expected and
         # target embeddings]; summed over ranks in one all-reduce
-        packed = torch.zeros(rows, 2 + flat_ids.numel() + extra, dtype=dtype, device=device)
+        packed = torch.zeros(rows, base + 2 * h_emb, dtype=dtype, device=device)
         if owned:
             for start in range(0, rows, chunk):
                 stop = min(start + chunk, rows)
@@ -83,14 +82,12 @@ class _FusedParts(torch.autograd.Function):
                 target_logit = z.gather(1, local_target[start:stop].unsqueeze(1)).squeeze(1)
                 part[:, 1] = torch.where(owns_target[start:stop], target_logit, 0.0)
                 members = z.index_select(1, local_member)
-                part[:, 2 : 2 + flat_ids.numel()] = torch.where(owns_member, members, 0.0)
+                part[:, 2 : 2 + members_width] = torch.where(owns_member, members, 0.0)
                 m = z.amax(dim=-1)
                 row_max[start:stop] = m
                 exp = z.sub_(m.unsqueeze(1)).exp_()  # z is the chunk's own buffer
                 part[:, 0] = exp.sum(dim=-1)
                 if local_cost is not None:
-                    h_emb = local_cost.shape[1]
-                    base = 2 + flat_ids.numel()
                     part[:, base : base + h_emb] = exp @ local_cost
                     part[:, base + h_emb :] = local_cost[local_target[start:stop]] * owns_target[
                         start:stop
@@ -101,21 +98,17 @@ class _FusedParts(torch.autograd.Function):
         rescale = torch.exp(row_max - global_max)  # 0 where this rank owns no column
         packed[:, 0] *= rescale
         if local_cost is not None:
-            h_emb = local_cost.shape[1]
-            base = 2 + flat_ids.numel()
             packed[:, base : base + h_emb] *= rescale.unsqueeze(1)
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
 
         sum_exp = packed[:, 0]
         ce, class_logits, member_share, target_is_max = parts_from_sums(
-            sum_exp, packed[:, 1], packed[:, 2 : 2 + flat_ids.numel()], global_max, member_valid
+            sum_exp, packed[:, 1], packed[:, 2 : 2 + members_width], global_max, member_valid
         )
 
         emo = torch.zeros(0, dtype=dtype, device=device)
         target_embedding = None
         if local_cost is not None:
-            h_emb = local_cost.shape[1]
-            base = 2 + flat_ids.numel()
             expected = packed[:, base : base + h_emb]
             target_embedding = packed[:, base + h_emb :]
             emo = 1 - (target_embedding * expected).sum(-1) / sum_exp

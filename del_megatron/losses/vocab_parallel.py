@@ -28,6 +28,20 @@ from .config import NumericLossConfig
 from .vocab import DigitVocab
 
 
+def local_ids(target, member_ids, member_valid, vocab_start, owned):
+    """Which of the targets [N] and digit-class member ids [K, M] fall in this rank's owned
+    columns, and their column there (0 where not owned): owns_target [N], local_target [N],
+    owns_member [K*M], local_member [K*M]."""
+    flat_ids = member_ids.flatten()
+    owns_target = (target >= vocab_start) & (target < vocab_start + owned)
+    local_target = torch.where(owns_target, target - vocab_start, 0)
+    owns_member = (
+        (flat_ids >= vocab_start) & (flat_ids < vocab_start + owned) & member_valid.flatten()
+    )
+    local_member = torch.where(owns_member, flat_ids - vocab_start, 0)
+    return owns_target, local_target, owns_member, local_member
+
+
 def parts_from_sums(sum_exp, target_logit, member_logits, row_max, member_valid):
     """Per-token sums (over every rank) -> ce [N], class logits [N, K], member shares
     [N, K, M] (each member's part of its class), target_is_max [N]."""
@@ -87,15 +101,11 @@ class _VocabParallelParts(torch.autograd.Function):
             exp = torch.sub(z, row_max.unsqueeze(1)).exp_()
         else:
             exp = work.sub_(row_max.unsqueeze(1)).exp_()
-        flat_ids = member_ids.flatten()
-        owns_target = (target >= vocab_start) & (target < vocab_start + owned)
-        local_target = torch.where(owns_target, target - vocab_start, 0)
-        owns_member = (
-            (flat_ids >= vocab_start) & (flat_ids < vocab_start + owned) & member_valid.flatten()
+        owns_target, local_target, owns_member, local_member = local_ids(
+            target, member_ids, member_valid, vocab_start, owned
         )
-        local_member = torch.where(owns_member, flat_ids - vocab_start, 0)
 
-        packed = torch.zeros(rows, 2 + flat_ids.numel(), dtype=dtype, device=logits.device)
+        packed = torch.zeros(rows, 2 + member_ids.numel(), dtype=dtype, device=logits.device)
         if owned:
             packed[:, 0] = exp.sum(dim=-1)
             target_logit = z.gather(1, local_target.unsqueeze(1)).squeeze(1).to(dtype)
