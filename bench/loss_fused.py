@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -28,35 +27,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from peak_memory import PeakMemory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-
-def rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
-
-
-class Peak:
-    def __init__(self, device):
-        self.device = device
-
-    def reset(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.base = rss("VmRSS")
-
-    def value(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.base
-        return rss("VmHWM") - self.base
 
 
 def setup(args):
@@ -148,10 +122,10 @@ def worker(args) -> None:
         result = {k: statistics.median(v) for k, v in times.items()}
     else:
         fn = step_fn(args.mode, layer, hidden, labels, vocab, args.chunk)
-        peak = Peak(device)
+        peak = PeakMemory(device)
         peak.reset()
         fn()
-        result = {args.mode: peak.value()}
+        result = {args.mode: peak.peak()}
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
