@@ -79,3 +79,12 @@ def commit_output(staging: Path, final: Path, is_ours: Ours) -> None:
 
 def abandon_output(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`path` holds the old text or the new one, never a part: written beside it, then
+    renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

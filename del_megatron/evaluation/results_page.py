@@ -13,7 +13,7 @@ import os
 import platform
 from pathlib import Path
 
-from .report import write_atomic
+from ..outputs import write_text_atomic
 
 
 def machine() -> str:
@@ -61,7 +61,7 @@ the held-out shards (sequence 128) and greedy answers to 100 held-out problems (
 
 {args.notes.read_text().strip()}
 """
-    write_atomic(args.out, page)
+    write_text_atomic(args.out, page)
     return 0
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from ..outputs import write_text_atomic
 
 
 class PairSum:
@@ -158,9 +159,7 @@ def keep_steps_up_to(path: Path, step: int) -> None:
     lines = path.read_text().splitlines(keepends=True)
     kept = [line for line in lines if line.endswith("\n") and _step_of(line) <= step]
     if len(kept) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(kept))
 
 
 def _step_of(line: str) -> float:
