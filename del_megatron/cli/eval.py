@@ -25,26 +25,32 @@ from ..errors import UserError
 from .arguments import non_negative_int, positive_int
 
 
-def teacher_forced(
-    loaded,
-    manifests: list[str],
-    seq_len: int,
-    batch_size: int,
-    max_batches: int | None,
-    progress: bool,
-) -> dict:
-    from tqdm import tqdm
+def check_heldout(manifests: list[str]) -> None:
+    """Each held-out manifest readable and its listed shards present at their sizes."""
+    from ..data.format import check_listed_shards, read_manifest
 
-    from ..data import DataConfig, DataSource, StreamingLoader
-    from ..evaluation import NumericMetrics
+    for url in manifests:
+        check_listed_shards(url, read_manifest(url))
 
-    config = DataConfig(
+
+def heldout_config(manifests: list[str], seq_len: int, batch_size: int):
+    from ..data import DataConfig, DataSource
+
+    return DataConfig(
         sources=tuple(DataSource(manifest=m) for m in manifests),
         seq_len=seq_len,
         micro_batch_size=batch_size,
         shuffle=False,
         epochs=1,
     )
+
+
+def teacher_forced(loaded, config, max_batches: int | None, progress: bool) -> dict:
+    from tqdm import tqdm
+
+    from ..data import StreamingLoader
+    from ..evaluation import NumericMetrics
+
     loader = StreamingLoader(
         config, 0, 1, fingerprint=loaded.tokenizer.fingerprint, num_batches=max_batches
     )
@@ -54,26 +60,33 @@ def teacher_forced(
         metrics.add(loaded.forward(batch["tokens"]), batch["labels"], batch["loss_mask"])
         batches += 1
     result = metrics.result()
-    result.update(heldout=manifests, seq_len=seq_len, batches=batches)
+    result.update(
+        heldout=[s.manifest for s in config.sources], seq_len=config.seq_len, batches=batches
+    )
     return result
 
 
-def generation(loaded, args, scratch: Path) -> dict:
+def problems_and_shots(args) -> tuple[list, list]:
+    """The GSM8K-format problems to answer and the few-shot examples (read before any model
+    loads, so that a wrong file costs nothing)."""
     from ..evaluation import generation as gen
-    from ..evaluation.backends import hf_directory
 
     problems = gen.load_problems(args.gsm8k, None)
-    shots = (
-        gen.load_problems(args.shots_file, args.shots)
-        if args.shots_file
-        else problems[: args.shots]
-    )
-    if not args.shots_file:
-        problems = problems[args.shots :]
+    if args.shots_file:
+        shots = gen.load_problems(args.shots_file, args.shots)
+    else:
+        shots, problems = problems[: args.shots], problems[args.shots :]
     if args.limit is not None:
         problems = problems[: args.limit]
     if not problems:
         raise UserError(f"{args.gsm8k}: no problems left after {args.shots} shots")
+    return problems, shots
+
+
+def generation(loaded, args, problems: list, shots: list, scratch: Path) -> dict:
+    from ..evaluation import generation as gen
+    from ..evaluation.backends import hf_directory
+
     prompts = [gen.prompt_of(p, shots, args.template) for p in problems]
     if args.backend == "vllm":
         completions = gen.generate_vllm(
@@ -170,6 +183,10 @@ def evaluate_main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, help="write results.json and results.md here")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    try:
+        args.template.format(question="")
+    except (KeyError, IndexError, ValueError) as err:
+        parser.error(f"--template: only {{question}} may stand in braces ({err!r})")
     if "{question}" not in args.template:
         parser.error("--template needs {question}")
     if not (args.heldout or args.gsm8k or args.lm_eval):
@@ -179,9 +196,16 @@ def evaluate_main(argv: list[str]) -> int:
     from ..evaluation.report import markdown_table, write_results
 
     device = _device(args.device)
+    inputs = {}  # every input read or checked before the model (minutes for a 7B) loads
+    if args.gsm8k:
+        inputs["problems"], inputs["shots"] = problems_and_shots(args)
+    check_heldout(args.heldout)
     loaded = load_model(args.model, device)
+    if args.heldout:
+        seq_len = args.seq_len or loaded.seq_len or 512
+        inputs["heldout"] = heldout_config(args.heldout, seq_len, args.batch_size)
     with tempfile.TemporaryDirectory(prefix="del-eval-") as scratch:  # a checkpoint's export
-        results = _evaluate(loaded, args, device, Path(scratch))
+        results = _evaluate(loaded, args, inputs, device, Path(scratch))
     if args.out:
         write_results(args.out, results)
     print(markdown_table(results), end="")
@@ -190,15 +214,18 @@ def evaluate_main(argv: list[str]) -> int:
     return 0
 
 
-def _evaluate(loaded, args: argparse.Namespace, device: torch.device, scratch: Path) -> dict:
+def _evaluate(
+    loaded, args: argparse.Namespace, inputs: dict, device: torch.device, scratch: Path
+) -> dict:
     results: dict = {"model": str(args.model), "kind": loaded.kind}
     if args.heldout:
-        seq_len = args.seq_len or loaded.seq_len or 512
         results["numeric"] = teacher_forced(
-            loaded, args.heldout, seq_len, args.batch_size, args.max_batches, not args.quiet
+            loaded, inputs["heldout"], args.max_batches, not args.quiet
         )
     if args.gsm8k:
-        results["generation"] = generation(loaded, args, scratch)
+        results["generation"] = generation(
+            loaded, args, inputs["problems"], inputs["shots"], scratch
+        )
     if args.lm_eval:
         from ..evaluation.backends import hf_directory
         from ..evaluation.harness import run_lm_eval
@@ -240,16 +267,19 @@ def compare_main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
 
-    from ..evaluation.report import comparison_table, plot_comparison, read_curve, write_atomic
+    from ..evaluation.report import comparison_table, plot_comparison, read_curve
+    from ..outputs import write_text_atomic
 
     groups: dict[str, list[dict]] = {}
     curves: dict[str, list] = {}
     for directory in args.results:
         path = directory / "results.json"
         try:
-            result = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+            result = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise UserError(f"{path}: not readable results ({err})") from None
+        if not isinstance(result, dict):
+            raise UserError(f"{path}: not del-eval results (a JSON object)")
         name = (
             directory.name.rsplit("-", 1)[0] if args.group_by == "parent-name" else directory.name
         )
@@ -260,7 +290,7 @@ def compare_main(argv: list[str]) -> int:
     if args.agree_within is not None:
         check_agreement([r for rs in groups.values() for r in rs], args.agree_within)
     table = comparison_table(groups)
-    write_atomic(args.out / "comparison.md", table)
+    write_text_atomic(args.out / "comparison.md", table)
     for png in plot_comparison(groups, curves, args.out):
         print(f"plot: {png}")
     print(table, end="")
@@ -269,13 +299,15 @@ def compare_main(argv: list[str]) -> int:
 
 def check_agreement(results: list[dict], tolerance: float) -> None:
     """Every scalar teacher-forced metric equal across `results` within `tolerance`."""
-    numeric = [r["numeric"] for r in results if "numeric" in r]
+    numeric = [r["numeric"] for r in results if isinstance(r.get("numeric"), dict)]
     if len(numeric) != len(results) or len(numeric) < 2:
         raise UserError("--agree-within needs two or more results with teacher-forced metrics")
     for key, value in numeric[0].items():
         if not isinstance(value, int | float):
             continue
-        values = [n[key] for n in numeric]
+        values = [n.get(key) for n in numeric]
+        if not all(isinstance(v, int | float) for v in values):
+            raise UserError(f"{key} is missing from some of the results: {values}")
         if max(values) - min(values) > tolerance * max(1.0, abs(value)):
             raise UserError(f"{key} differs beyond {tolerance:g}: {values}")
     print(f"teacher-forced metrics agree within {tolerance:g}")

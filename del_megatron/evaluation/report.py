@@ -6,10 +6,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import statistics
 from pathlib import Path
 from typing import Any
+
+from ..errors import UserError
+from ..outputs import write_text_atomic
 
 SUMMARY = [  # (label, path in results.json, format)
     ("loss", ("numeric", "loss"), ".4f"),
@@ -35,13 +37,6 @@ def _get(results: dict, path: tuple[str, ...]) -> float | None:
     return node if isinstance(node, int | float) else None
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def markdown_table(results: dict) -> str:
     rows = ["| metric | value |", "|---|---|"]
     for label, path, fmt in SUMMARY:
@@ -57,8 +52,8 @@ def markdown_table(results: dict) -> str:
 
 
 def write_results(out: Path, results: dict) -> None:
-    write_atomic(out / "results.json", json.dumps(results, indent=1, sort_keys=True) + "\n")
-    write_atomic(
+    write_text_atomic(out / "results.json", json.dumps(results, indent=1, sort_keys=True) + "\n")
+    write_text_atomic(
         out / "results.md", f"# {results.get('model', 'evaluation')}\n\n" + markdown_table(results)
     )
 
@@ -162,6 +157,22 @@ def _place_order(key: str) -> tuple[int, int]:
 
 
 def read_curve(metrics_jsonl: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()]
+    """(step, training CE) from a run's metrics.jsonl; a last line cut by a kill is left out,
+    any other line that is not a JSON object is refused with its number."""
+    try:
+        text = metrics_jsonl.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{metrics_jsonl}: cannot read ({err})") from None
+    lines = text.split("\n")[:-1]  # what follows the last newline was cut short
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{metrics_jsonl} line {number}: not JSON ({err})") from None
+        if isinstance(row, dict) and isinstance(row.get("step"), int | float):
+            rows.append(row)
     key = "ce" if rows and "ce" in rows[0] else "loss"  # CE: the one term every kind shares
-    return [(r["step"], r[key]) for r in rows if key in r]
+    return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]

@@ -1,0 +1,89 @@
+"""del-eval's mistakes: one line on stderr and exit status 2, and every input read or
+checked before a model loads (a wrong file must not cost the minutes of loading a 7B)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from del_megatron.cli.eval import main
+from del_megatron.evaluation.report import read_curve
+
+NO_MODEL = "/nonexistent/model"
+
+
+def fails(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main([str(a) for a in argv]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err and "Traceback" not in err, err
+    return err.splitlines()[-1]
+
+
+def test_nothing_to_evaluate_and_bad_templates(capsys):
+    assert "nothing to evaluate" in fails(capsys, NO_MODEL)
+    assert "--template" in fails(capsys, NO_MODEL, "--gsm8k", "x.jsonl", "--template", "Q:")
+    line = fails(capsys, NO_MODEL, "--gsm8k", "x.jsonl", "--template", "{question} {answer}")
+    assert "--template" in line and "braces" in line
+
+
+def test_inputs_are_checked_before_the_model_loads(capsys, tmp_path):
+    bad = tmp_path / "problems.jsonl"
+    bad.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "no answer"}\n')
+    line = fails(capsys, NO_MODEL, "--gsm8k", bad, "--shots", "0")
+    assert f"{bad} line 2" in line
+    assert "problems.jsonl" in fails(capsys, NO_MODEL, "--gsm8k", tmp_path / "problems.jsonl")
+    missing = tmp_path / "missing.jsonl"
+    assert str(missing) in fails(capsys, NO_MODEL, "--gsm8k", missing)
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    assert "no problems left after 4 shots" in fails(capsys, NO_MODEL, "--gsm8k", one)
+    manifest = tmp_path / "heldout" / "manifest.json"
+    assert str(manifest) in fails(capsys, NO_MODEL, "--heldout", manifest)
+    manifest.parent.mkdir()
+    manifest.write_text('{"version": 1}')
+    assert "not a shard manifest" in fails(capsys, NO_MODEL, "--heldout", manifest)
+    # with good inputs, the model is what is wrong
+    line = fails(capsys, tmp_path, "--gsm8k", one, "--shots", "0")
+    assert "neither a del-megatron checkpoint" in line
+
+
+def write_results(directory, numeric=None, **extra):
+    directory.mkdir(parents=True, exist_ok=True)
+    result = {"model": "m", "kind": "hf", **extra}
+    if numeric is not None:
+        result["numeric"] = numeric
+    (directory / "results.json").write_text(json.dumps(result))
+    return directory
+
+
+def test_compare_refuses_what_it_cannot_read(capsys, tmp_path):
+    a = write_results(tmp_path / "a", {"loss": 1.0, "digit_acc": 0.5})
+    out = tmp_path / "out"
+    assert "results.json" in fails(capsys, "compare", a, tmp_path / "absent", "--out", out)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "results.json").write_text('{"model": ')
+    assert "not readable results" in fails(capsys, "compare", a, tmp_path / "broken", "--out", out)
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "results.json").write_text("[1, 2]")
+    assert "not del-eval results" in fails(capsys, "compare", a, tmp_path / "list", "--out", out)
+    b = write_results(tmp_path / "b", {"loss": 1.0})
+    line = fails(capsys, "compare", a, b, "--out", out, "--agree-within", "1e-4")
+    assert "digit_acc is missing" in line
+    c = write_results(tmp_path / "c", generation={"accuracy": 0.1})
+    line = fails(capsys, "compare", a, c, "--out", out, "--agree-within", "1e-4")
+    assert "needs two or more results with teacher-forced metrics" in line
+    d = write_results(tmp_path / "d", {"loss": 1.1, "digit_acc": 0.5})
+    line = fails(capsys, "compare", a, d, "--out", out, "--agree-within", "1e-4")
+    assert "loss differs beyond" in line
+    (a / "metrics.jsonl").write_text('{"step": 1, "ce": 2.0}\nnot json\n')
+    assert "metrics.jsonl line 2: not JSON" in fails(capsys, "compare", a, d, "--out", out)
+    assert not out.exists()  # nothing written by a comparison that failed
+
+
+def test_a_metrics_line_cut_by_a_kill_is_left_out(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "ce": 2.0}\n{"event": "resume"}\n{"step": 2, "ce": 1.')
+    assert read_curve(path) == [(1, 2.0)]
