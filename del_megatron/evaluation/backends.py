@@ -100,7 +100,9 @@ def _load_hf(path: Path, device: torch.device) -> Loaded:
     if tokenizer_path is None:
         raise UserError(f"{path}: no tokenizer.json or tokenizer.model")
     tokenizer = Tokenizer(tokenizer_path)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    from ..models.device import model_dtype
+
+    dtype = model_dtype(device)
     # transformers >= 4.56 names the argument dtype, earlier releases torch_dtype
     legacy = tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (4, 56)
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -102,18 +102,23 @@ def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:
     }
 
 
+def model_dtype(device: torch.device) -> torch.dtype:
+    """Parameters and activations: bf16 on GPU, float32 on CPU."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
 def transformer_config_overrides(device: torch.device) -> dict[str, Any]:
     """TransformerConfig fields that depend on the device."""
     if device.type == "cpu":
         return {
             "use_cpu_initialization": True,
-            "params_dtype": torch.float32,
+            "params_dtype": model_dtype(device),
             "bf16": False,
             **dict.fromkeys(FUSION_FLAGS, False),
         }
     return {
         "use_cpu_initialization": False,
-        "params_dtype": torch.bfloat16,
+        "params_dtype": model_dtype(device),
         "bf16": True,
         "bias_activation_fusion": True,
         "bias_dropout_fusion": True,
