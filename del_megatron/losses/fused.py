@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from .assemble import NumericLossOutput, compute_dtype
 from .config import NumericLossConfig
 from .vocab import DigitVocab
@@ -94,12 +95,12 @@ class _FusedParts(torch.autograd.Function):
                     ].unsqueeze(1)
                 del z, exp  # or this chunk's buffer outlives the next chunk's product
         global_max = row_max.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        collectives.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
         rescale = torch.exp(row_max - global_max)  # 0 where this rank owns no column
         packed[:, 0] *= rescale
         if local_cost is not None:
             packed[:, base : base + h_emb] *= rescale.unsqueeze(1)
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        collectives.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
 
         sum_exp = packed[:, 0]
         ce, class_logits, member_share, target_is_max = parts_from_sums(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from .assemble import (
     NumericLossOutput,
     Targets,
@@ -96,7 +97,7 @@ class _VocabParallelParts(torch.autograd.Function):
             row_max = (z if work is None else work).amax(dim=-1)
         else:
             row_max = torch.full((rows,), float("-inf"), dtype=dtype, device=logits.device)
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        collectives.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         if work is None:
             exp = torch.sub(z, row_max.unsqueeze(1)).exp_()
         else:
@@ -111,7 +112,7 @@ class _VocabParallelParts(torch.autograd.Function):
             target_logit = z.gather(1, local_target.unsqueeze(1)).squeeze(1).to(dtype)
             packed[:, 1] = torch.where(owns_target, target_logit, 0.0)
             packed[:, 2:] = torch.where(owns_member, z.index_select(1, local_member).to(dtype), 0.0)
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        collectives.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
 
         sum_exp = packed[:, 0]
         ce, class_logits, member_share, target_is_max = parts_from_sums(
@@ -126,7 +127,7 @@ class _VocabParallelParts(torch.autograd.Function):
             emo_parts = torch.cat(
                 [exp @ local_cost, local_cost[local_target] * owns_target.unsqueeze(1)], dim=1
             )
-            dist.all_reduce(emo_parts, op=dist.ReduceOp.SUM, group=group)
+            collectives.all_reduce(emo_parts, op=dist.ReduceOp.SUM, group=group)
             expected, target_embedding = emo_parts.chunk(2, dim=1)
             emo = 1 - (target_embedding * expected).sum(-1) / sum_exp
             ctx.emo_cost = local_cost

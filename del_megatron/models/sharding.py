@@ -60,8 +60,9 @@ def merge(shards: list[torch.Tensor], partition: Partition) -> torch.Tensor:
 
 def gather_full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full (TP 1 layout) float32 state of a tensor-parallel model, on every rank."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
+
+    from .. import collectives
 
     group = parallel_state.get_tensor_model_parallel_group()
     world = parallel_state.get_tensor_model_parallel_world_size()
@@ -72,7 +73,5 @@ def gather_full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if world == 1 or partition is None:
             out[name] = data.cpu()
             continue
-        parts = [torch.empty_like(data) for _ in range(world)]
-        dist.all_gather(parts, data, group=group)
-        out[name] = merge(parts, partition).cpu()
+        out[name] = merge(collectives.all_gather(data, group=group), partition).cpu()
     return out

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from .. import collectives
 from ..config import ConfigError, dump_run_config
 from ..data import StreamingLoader
 from ..errors import UserError, one_line
@@ -57,7 +57,7 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
     if run.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
+    collectives.barrier()
     run.engine.save_checkpoint(
         str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step}, save_latest=False
     )
@@ -71,8 +71,7 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
         },
         rng / f"rank{run.rank:05d}.pt",
     )
-    states = [None] * run.world
-    dist.all_gather_object(states, loader.state_dict() if loader is not None else None)
+    states = collectives.all_gather_object(loader.state_dict() if loader is not None else None)
     if run.is_main:
         (tmp / "data_state.json").write_text(json.dumps(states))
         (tmp / "run_config.yaml").write_text(dump_run_config(run.cfg))
@@ -86,7 +85,7 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
             "versions": _versions(),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    dist.barrier()
+    collectives.barrier()
     if run.is_main:
         if final.exists():
             shutil.rmtree(final)
@@ -97,7 +96,7 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
             doomed = root / (TMP_PREFIX + "old-" + old.name)
             os.replace(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
-    dist.barrier()
+    collectives.barrier()
     return final
 
 
@@ -231,7 +230,9 @@ def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
     if meta.get("world_size") == run.world:
         rng_path = path / "rng" / f"rank{run.rank:05d}.pt"
         try:
-            rng = torch.load(rng_path, weights_only=True)
+            # RNG states are host byte tensors whatever the device (map_location: a state
+            # file never lands on a GPU the loading rank may not have)
+            rng = torch.load(rng_path, weights_only=True, map_location="cpu")
             torch.set_rng_state(rng["torch"])
             if rng.get("cuda") is not None and run.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"])

@@ -1,0 +1,99 @@
+"""The one rule for the collectives the project issues itself (megatron-core and DeepSpeed
+issue their own): a tensor handed to a process group lives on a device that group's backend
+takes, and it is checked here before the call rather than refused by NCCL on the first GPU run.
+
+Decision (docs/architecture.md, "GPU path"): one backend per run, NCCL on GPU and gloo on CPU,
+and everything we reduce (token counts, metrics, stop flags) stays on the compute device. A
+dual `cpu:gloo,cuda:nccl` group would let host tensors through, but gloo across nodes needs
+its own interface settings on clusters (GLOO_SOCKET_IFNAME) and every host tensor is a copy
+and a synchronisation the step does not need.
+
+Every function takes the group explicitly (None: the default world group) and calls
+`check_device` first; tests wrap that one function to watch every collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# the device types each backend takes tensors on (torch's own backends)
+BACKEND_DEVICES = {
+    "nccl": ("cuda",),
+    "gloo": ("cpu",),
+    "mpi": ("cpu", "cuda"),
+    "ucc": ("cpu", "cuda"),
+    "xccl": ("xpu",),
+}
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A tensor handed to a collective on a device its group's backend does not take: a bug
+    of ours (the tensor should have been made on the compute device)."""
+
+
+def backend_devices(group: dist.ProcessGroup | None) -> tuple[str, ...]:
+    """Device types the backend(s) of `group` take: 'nccl' -> ('cuda',); a multi-device
+    backend string such as 'cpu:gloo,cuda:nccl' -> ('cpu', 'cuda')."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:
+        return tuple(pair.split(":")[0] for pair in backend.split(","))
+    return BACKEND_DEVICES.get(backend, ("cpu", "cuda"))
+
+
+def check_device(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
+    """Refuse, naming the collective, a tensor its group's backend cannot take."""
+    allowed = backend_devices(group)
+    if tensor.device.type not in allowed:
+        raise CollectiveDeviceError(
+            f"{what}: a {tensor.device.type} tensor handed to a {dist.get_backend(group)} "
+            f"group, which takes {'/'.join(allowed)} tensors only; make it on the compute device"
+        )
+
+
+def _alone(group: dist.ProcessGroup | None) -> bool:
+    return not dist.is_initialized() or dist.get_world_size(group) == 1
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> torch.Tensor:
+    """In place over `group`; returns `tensor`. A no-op in a one-process group (or without
+    torch.distributed), after the device check, so a CPU test of one process still sees a
+    tensor on the wrong device."""
+    if dist.is_initialized():
+        check_device(tensor, group, "all_reduce")
+    if not _alone(group):
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's `tensor` (same shape on every rank), in rank order."""
+    if dist.is_initialized():
+        check_device(tensor, group, "all_gather")
+    if _alone(group):
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return parts
+
+
+def all_gather_object(obj: Any, *, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's picklable `obj`, in rank order. On NCCL, torch stages the pickles on the
+    current CUDA device (set per rank by models.device.bind_local_device)."""
+    if _alone(group):
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def barrier(*, group: dist.ProcessGroup | None = None) -> None:
+    if not _alone(group):
+        dist.barrier(group=group)
