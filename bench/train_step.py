@@ -83,6 +83,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from del_megatron.losses import NumericLossConfig
+    from del_megatron.models.device import synchronize
     from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
     root = Path(tempfile.mkdtemp(prefix="del-bench-step-"))
@@ -107,14 +108,14 @@ def main() -> None:
     for i in range(2 * (args.steps + 2)):
         kind = ("del", "mle")[(i + i // 2) % 2]  # ABBA order: no kind always goes first
         model.loss_config = kinds[kind]
-        sync = torch.cuda.synchronize if run.device.type == "cuda" else (lambda: None)
-        sync()
+        synchronize(run.device)
         start = time.perf_counter()
-        values = train_step(run, next_micro_batches(run, batch, i), i + 1)
-        sync()
+        # the step ends with the ranks' agreement, a host synchronisation: its time is the
+        # device's; MFU from that time as the trainer reports it
+        outcome = train_step(run, next_micro_batches(run, batch, i), i + 1)
         if i >= 4:  # warm-up
             times[kind].append(time.perf_counter() - start)
-            rates[kind].append(values.get("mfu", float("nan")))
+            rates[kind].append(outcome.metrics.host.get("mfu", float("nan")))
     if run.is_main:
         base = statistics.median(times["mle"])
         tokens = cfg.train.global_batch_size * cfg.train.seq_len

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from .config import ConfigError
-from .models.device import bind_local_device, quiet_communication_setup
+from .models.device import bind_local_device, process_group_backend, quiet_communication_setup
 
 
 def rank_environment() -> None:
@@ -46,14 +46,16 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
         os.environ.update(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
         )
+    # each rank on its own GPU before the process group exists: NCCL's communicators then
+    # form on that device, not on device 0 of every rank of the node
+    bind_local_device(device, int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         import deepspeed
 
         with quiet_communication_setup(device):
-            deepspeed.init_distributed(
-                dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False
-            )
-    bind_local_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+            # one backend per run, and every tensor we reduce on the compute device
+            # (del_megatron/collectives.py; docs/architecture.md "GPU path")
+            deepspeed.init_distributed(dist_backend=process_group_backend(device), verbose=False)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -82,9 +82,7 @@ def test_no_collective_outside_the_rule():
         (ROOT / "data_tools").rglob("*.py")
     )
     outside = [c for f in files if f != RULE for c in collective_calls(f)]
-    assert outside == [], "collectives outside del_megatron/collectives.py:\n" + "\n".join(
-        outside
-    )
+    assert outside == [], "collectives outside del_megatron/collectives.py:\n" + "\n".join(outside)
 
 
 def test_backend_devices(monkeypatch):

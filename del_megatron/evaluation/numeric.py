@@ -48,6 +48,7 @@ def batch_statistics(
     """Sums of one batch. logits [b, s, V] (V the tokenizer's vocabulary, padding columns
     removed), labels [b, s] (labels[:, t] is the target of logits[:, t]), loss_mask [b, s]."""
     logits = logits.float()
+    device = logits.device  # every statistic is made where the logits are
     vocab_size = logits.shape[-1]
     mask = loss_mask.bool()
     table = vocab.class_table(vocab_size, logits.device)
@@ -76,15 +77,16 @@ def batch_statistics(
     places = place.flatten()[d]
     decimal = places < 0  # digit_places: decimal digits have negative places
     place_index = torch.where(decimal, MAX_PLACE - 1 - places, places).clamp(0, 2 * MAX_PLACE - 1)
-    place_counts = torch.zeros(2 * MAX_PLACE, 2, dtype=torch.float64)
+    place_counts = torch.zeros(2 * MAX_PLACE, 2, dtype=torch.float64, device=device)
     place_counts[:, 1].index_add_(0, place_index, torch.ones_like(places, dtype=torch.float64))
     place_counts[:, 0].index_add_(0, place_index, cond_correct.double())
 
     entropy_bin = (entropy / math.log(10) * ENTROPY_BINS).long().clamp(0, ENTROPY_BINS - 1)
-    entropy_hist = torch.zeros(ENTROPY_BINS, dtype=torch.float64)
+    entropy_hist = torch.zeros(ENTROPY_BINS, dtype=torch.float64, device=device)
     entropy_hist.index_add_(0, entropy_bin, torch.ones_like(entropy))
     conf_bin = (confidence * CALIBRATION_BINS).long().clamp(0, CALIBRATION_BINS - 1)
-    calibration = torch.zeros(CALIBRATION_BINS, 3, dtype=torch.float64)  # count, conf, correct
+    # count, confidence, correct
+    calibration = torch.zeros(CALIBRATION_BINS, 3, dtype=torch.float64, device=device)
     calibration[:, 0].index_add_(0, conf_bin, torch.ones_like(confidence))
     calibration[:, 1].index_add_(0, conf_bin, confidence)
     calibration[:, 2].index_add_(0, conf_bin, cond_correct.double())
@@ -93,25 +95,27 @@ def batch_statistics(
     numbers = _number_ids(classes, decimal_point).flatten()[d]
     count = int(numbers.max()) + 1 if numbers.numel() else 1
     scale = torch.pow(10.0, places.double())
-    true_value = torch.zeros(count, dtype=torch.float64).index_add_(0, numbers, target * scale)
-    greedy_value = torch.zeros(count, dtype=torch.float64).index_add_(0, numbers, greedy * scale)
-    wrong = torch.zeros(count, dtype=torch.float64).index_add_(0, numbers, (~cond_correct).double())
-    has_digits = torch.zeros(count, dtype=torch.bool)
+    per_number = torch.zeros(3, count, dtype=torch.float64, device=device)
+    true_value, greedy_value, wrong = per_number
+    true_value.index_add_(0, numbers, target * scale)
+    greedy_value.index_add_(0, numbers, greedy * scale)
+    wrong.index_add_(0, numbers, (~cond_correct).double())
+    has_digits = torch.zeros(count, dtype=torch.bool, device=device)
     has_digits[numbers] = True
     abs_error = (greedy_value - true_value).abs()[has_digits]
     nonzero = true_value[has_digits] != 0
     rel_error = abs_error[nonzero] / true_value[has_digits][nonzero].abs()
     return {
-        "tokens": torch.tensor(float(m.sum())),
+        "tokens": m.sum().double(),
         "nll": nll.sum(),
-        "digits": torch.tensor(float(d.sum())),
+        "digits": d.sum().double(),
         "digit_correct": full_correct.double().sum(),
         "digit_cond_correct": cond_correct.double().sum(),
         "entropy": entropy.sum(),
-        "numbers": torch.tensor(float(has_digits.sum())),
+        "numbers": has_digits.sum().double(),
         "numbers_exact": (wrong[has_digits] == 0).double().sum(),
         "abs_error": abs_error.sum(),
-        "rel_numbers": torch.tensor(float(nonzero.sum())),
+        "rel_numbers": nonzero.sum().double(),
         "rel_error": rel_error.sum(),
         "places": place_counts,
         "entropy_hist": entropy_hist,
@@ -128,7 +132,7 @@ class NumericMetrics:
 
     def add(self, logits, labels, loss_mask) -> None:
         for key, value in batch_statistics(logits, labels, loss_mask, self.vocab).items():
-            value = value.double().cpu()
+            value = value.double()  # on the logits' device until result() reads it
             self.totals[key] = self.totals[key] + value if key in self.totals else value
 
     def result(self) -> dict:

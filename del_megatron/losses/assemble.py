@@ -99,12 +99,16 @@ def prepare_targets(
             )
         valid = valid & (loss_mask != 0)
     bad = valid & ((labels < 0) | (labels >= vocab_size))
-    if bool(bad.any()):
-        value = int(labels[bad].flatten()[0])
-        raise ValueError(
-            f"label {value} is out of range for a vocabulary of {vocab_size} tokens "
-            f"(use ignore_index={cfg.ignore_index} for positions without a target)"
-        )
+    message = (
+        f"a label is out of range for a vocabulary of {vocab_size} tokens "
+        f"(use ignore_index={cfg.ignore_index} for positions without a target)"
+    )
+    try:
+        # checked on the device: a host read here would stall every GPU micro-batch (on
+        # CUDA a failure is a device-side assert at the next synchronisation)
+        torch._assert_async(~bad.any(), message)
+    except RuntimeError:  # raised at once on CPU
+        raise ValueError(message) from None
     safe = torch.where(valid, labels, 0).long()
     table = vocab.class_table(vocab_size, labels.device)
     classes = torch.where(valid, table[safe], NOT_A_CLASS)  # [..., s]

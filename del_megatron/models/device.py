@@ -70,12 +70,47 @@ def quiet_communication_setup(device: torch.device):
         yield
 
 
+def process_group_backend(device: torch.device) -> str:
+    """NCCL on GPU, gloo on CPU: the backend every group of the run inherits."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def bind_local_device(device: torch.device, local_rank: int) -> None:
     """Each rank of a node on its own GPU. A cluster that binds GPUs to tasks (srun
     --gpus-per-task, --gpu-bind) shows each rank fewer devices than ranks per node; the
     local rank modulo the visible devices is right in both cases."""
     if device.type == "cuda":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def batch_to_device(
+    batch: dict[str, torch.Tensor], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """A loader's host batch on the compute device. CUDA: copied into page-locked memory,
+    then an asynchronous transfer (`non_blocking`), so the host goes on queueing the step
+    instead of waiting for the GPU to drain; CPU: the tensors as they are."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: around a timing, so it measures the work and not
+    only its launch. Nothing to wait for on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# bf16 dense peak FLOP/s per device, for MFU (the vendors' figures for SXM parts)
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """This device's bf16 dense peak, None where unknown (no MFU is reported then)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
 def fused_chunk_tokens(device: torch.device, requested: int) -> int:

@@ -64,13 +64,7 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
     _save_weights(run, tmp)
     rng = tmp / "rng"
     rng.mkdir(exist_ok=True)
-    torch.save(
-        {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if run.device.type == "cuda" else None,
-        },
-        rng / f"rank{run.rank:05d}.pt",
-    )
+    torch.save(rng_state(run.device), rng / f"rank{run.rank:05d}.pt")
     states = collectives.all_gather_object(loader.state_dict() if loader is not None else None)
     if run.is_main:
         (tmp / "data_state.json").write_text(json.dumps(states))
@@ -120,6 +114,28 @@ def _save_weights(run: Any, directory: Path) -> None:
             write_rank_weights(out, tp_rank, dict(module.named_parameters()))
             if run.is_main:
                 write_weights_record(out, run.cfg.model, run.cfg.tokenizer_path())
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's generators: torch's, and on GPU the device's and megatron-core's
+    tensor-parallel tracker (dropout inside tensor-parallel regions, recomputation)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "cuda": None}
+    if device.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda"])
+        if state.get("cuda_tracker"):
+            tensor_parallel.get_cuda_rng_tracker().set_states(state["cuda_tracker"])
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -233,9 +249,7 @@ def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
             # RNG states are host byte tensors whatever the device (map_location: a state
             # file never lands on a GPU the loading rank may not have)
             rng = torch.load(rng_path, weights_only=True, map_location="cpu")
-            torch.set_rng_state(rng["torch"])
-            if rng.get("cuda") is not None and run.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"])
+            set_rng_state(rng, run.device)
         except (OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as err:
             raise CheckpointError(f"{rng_path}: unreadable ({one_line(err)[:200]})") from None
     if loader is not None:

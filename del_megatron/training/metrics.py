@@ -5,39 +5,97 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from ..config import ConfigError
 from ..outputs import write_text_atomic
 
 
 class PairSum:
-    """Sums report dicts {name: [sum, count]} over micro-batches; reduce() over ranks."""
+    """Sums report dicts {name: [sum, count]} over micro-batches on the device they come on:
+    no host copy and no synchronisation until the values are read."""
 
     def __init__(self) -> None:
         self.totals: dict[str, torch.Tensor] = {}
 
     def add(self, report: dict[str, torch.Tensor]) -> None:
         for name, pair in report.items():
-            pair = pair.detach().to(torch.float64).cpu()
+            pair = pair.detach().to(torch.float64)
             self.totals[name] = self.totals[name] + pair if name in self.totals else pair
 
-    def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float]:
-        """Means over every micro-batch of every rank of `group` (one all-reduce)."""
+    def reduced(self, group: dist.ProcessGroup | None) -> tuple[list[str], torch.Tensor]:
+        """(names, [metrics, 2] sums and counts over every rank of `group`): one all-reduce,
+        on the device, no synchronisation."""
         names = sorted(self.totals)
         if not names:
-            return {}
-        stacked = torch.stack([self.totals[n] for n in names])  # [metrics, 2]
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(stacked, group=group)
-        return {
-            n: s / c if c > 0 else float("nan")
-            for n, (s, c) in zip(names, stacked.tolist(), strict=True)
-        }
+            return [], torch.zeros(0, 2, dtype=torch.float64)
+        stacked = torch.stack([self.totals[n] for n in names])
+        return names, collectives.all_reduce(stacked, group=group)
+
+    def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float]:
+        """Means over every micro-batch of every rank of `group` (one all-reduce, then one
+        host synchronisation)."""
+        names, stacked = self.reduced(group)
+        return means(names, stacked.tolist())
+
+
+def means(names: list[str], pairs: list[list[float]]) -> dict[str, float]:
+    """{name: sum / count} ('lm loss', megatron's name for the objective, as 'loss')."""
+    values = {n: s / c if c > 0 else float("nan") for n, (s, c) in zip(names, pairs, strict=True)}
+    if "lm loss" in values:
+        values["loss"] = values.pop("lm loss")
+    return values
+
+
+@dataclass
+class StepMetrics:
+    """One optimizer step's metrics. The [sum, count] pairs (reduced over data-parallel
+    ranks) and the gradient norm stay on the compute device until `values`, or the reporter
+    on a logging step, reads them; `host` holds what is known on the host already (lr,
+    skipped steps, throughput)."""
+
+    names: list[str]
+    pairs: torch.Tensor  # [metrics, 2] float64
+    grad_norm: torch.Tensor | float | None  # before clipping; DeepSpeed gives either
+    host: dict[str, float] = field(default_factory=dict)
+
+    def device_row(self) -> torch.Tensor:
+        """[2 * metrics + 1] float64: the pairs, then the gradient norm (NaN if none)."""
+        norm = self.grad_norm
+        if isinstance(norm, torch.Tensor):
+            norm = norm.detach().to(device=self.pairs.device, dtype=torch.float64).reshape(1)
+        else:
+            value = float("nan") if norm is None else float(norm)
+            norm = torch.full((1,), value, dtype=torch.float64, device=self.pairs.device)
+        return torch.cat([self.pairs.reshape(-1), norm])
+
+    def from_row(self, row: list[float]) -> dict[str, float]:
+        values = means(self.names, [row[i : i + 2] for i in range(0, 2 * len(self.names), 2)])
+        if self.grad_norm is not None:
+            values["grad_norm"] = row[-1]
+        return {**values, **self.host}
+
+    def values(self) -> dict[str, float]:
+        """The step's values as floats (one host synchronisation)."""
+        return self.from_row(self.device_row().tolist())
+
+
+def read_steps(pending: list[StepMetrics]) -> list[dict[str, float]]:
+    """Values of several steps with one host synchronisation."""
+    if not pending:
+        return []
+    rows = [m.device_row() for m in pending]
+    if len({r.numel() for r in rows}) == 1:
+        table = torch.stack(rows).tolist()
+    else:  # another set of metrics in some step: still correct, one read each
+        table = [r.tolist() for r in rows]
+    return [m.from_row(row) for m, row in zip(pending, table, strict=True)]
 
 
 class WandbSink:
@@ -93,9 +151,13 @@ def console_line(step: int, total: int, values: dict[str, float]) -> str:
 
 
 class Reporter:
-    """Each step's values, shown and kept (rank 0 only; other ranks get a silent one):
-    progress bar, a console line every `log_interval` steps and at the last, one exact JSON
-    line a step in `metrics.jsonl`, wandb.
+    """Each step's values, shown and kept: progress bar, a console line every
+    `log_interval` steps and at the last, one exact JSON line a step in `metrics.jsonl`,
+    wandb (rank 0 writes; every rank reads the values, so `TrainResult` is the same on all).
+
+    Steps wait in `pending`, their metrics on the device, until a logging step (or `flush`,
+    before a checkpoint or a stop) reads them all with one host synchronisation: a GPU
+    step is never held up by a metric.
 
     metrics.jsonl describes the run whose checkpoints are in the output directory: on a
     start at step `start`, lines of later steps (trained, then lost with the process) are
@@ -109,6 +171,7 @@ class Reporter:
         self.log_interval = cfg.train.log_interval
         self.enabled = enabled
         self.path = Path(cfg.output_dir) / "metrics.jsonl"
+        self.pending: list[tuple[int, StepMetrics, dict[str, float]]] = []
         self.sink = WandbSink(
             cfg.logging.wandb if enabled else "disabled",
             cfg.logging.project,
@@ -127,16 +190,36 @@ class Reporter:
             dynamic_ncols=True,
         )
 
-    def step(self, step: int, values: dict[str, float]) -> None:
+    def step(
+        self, step: int, metrics: StepMetrics, extra: dict[str, float] | None = None
+    ) -> list[tuple[int, dict[str, float]]]:
+        """Record step `step`; on a logging step, flush (returns the flushed steps)."""
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{values['loss']:.3f}", digit_acc=f"{values['digit_acc']:.3f}")
-        if not self.enabled:
-            return
-        self.sink.log(values, step)
-        with open(self.path, "a") as f:  # exact floats
-            f.write(json.dumps({"step": step, **values}) + "\n")
+        self.pending.append((step, metrics, extra or {}))
         if step % self.log_interval == 0 or step == self.total:
-            self.bar.write(console_line(step, self.total, values))
+            return self.flush(show=True)
+        return []
+
+    def flush(self, *, show: bool = False) -> list[tuple[int, dict[str, float]]]:
+        """Read and write every pending step (the console line of the last if `show`);
+        returns [(step, values)]."""
+        if not self.pending:
+            return []
+        pending, self.pending = self.pending, []
+        read = read_steps([m for _, m, _ in pending])
+        flushed = [
+            (step, {**v, **extra}) for (step, _, extra), v in zip(pending, read, strict=True)
+        ]
+        last_step, last = flushed[-1]
+        self.bar.set_postfix(loss=f"{last['loss']:.3f}", digit_acc=f"{last['digit_acc']:.3f}")
+        if self.enabled:
+            with open(self.path, "a") as f:  # exact floats
+                for step, values in flushed:
+                    self.sink.log(values, step)
+                    f.write(json.dumps({"step": step, **values}) + "\n")
+            if show:
+                self.bar.write(console_line(last_step, self.total, last))
+        return flushed
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Values outside the step lines (the final evaluation): wandb only."""

@@ -3,15 +3,20 @@
 A signal may reach only some processes: a batch shell's signal forwarded to one node, a
 `kill` of one rank. The handler only sets a rank-local flag; after each step the ranks
 agree on it (one all-reduce MAX over the world) and the loop branches on the agreed value
-alone, so every rank saves the same checkpoint and leaves the loop at the same step.
+alone, so every rank saves the same checkpoint and leaves the loop at the same step. The
+same all-reduce carries whether a rank saw a non-finite loss, so a step has one host
+synchronisation in all (`agree`).
 """
 
 from __future__ import annotations
 
 import signal
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from .. import collectives
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -28,14 +33,6 @@ class StopRequest:
         if self.received is None:
             self.received = signum
 
-    def agreed(self, device: torch.device) -> bool:
-        """True on every rank if any rank received a stop signal (collective: call it on
-        every rank at the same point of the loop)."""
-        flag = torch.tensor([0.0 if self.received is None else 1.0], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
@@ -45,3 +42,25 @@ class StopRequest:
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+
+class Agreement(NamedTuple):
+    """What every rank decided together after a step."""
+
+    stop: bool  # some rank received a stop signal
+    nonfinite: bool  # some rank's loss was not finite
+
+
+def agree(stop: StopRequest | None, nonfinite: torch.Tensor) -> Agreement:
+    """One all-reduce MAX over the world of [stop signal received, loss not finite] and the
+    step's one host synchronisation (collective: every rank calls it at the same point).
+
+    nonfinite: this rank's 0-dim flag, on the compute device (no host copy before the
+    reduction: the stop flag is filled on the device too)."""
+    received = stop is not None and stop.received is not None
+    flags = torch.stack(
+        [torch.full((), float(received), device=nonfinite.device), nonfinite.double()]
+    )
+    collectives.all_reduce(flags, op=dist.ReduceOp.MAX)  # the world group
+    stop_flag, nonfinite_flag = flags.tolist()
+    return Agreement(stop=stop_flag > 0, nonfinite=nonfinite_flag > 0)

@@ -7,26 +7,28 @@ the engine, so there is no pipeline parallelism.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from .. import collectives
 from ..config import ConfigError, RunConfig, deepspeed_config
 from ..data import DataConfig, StreamingLoader
 from ..errors import UserError
-from ..models.device import recompute_overrides, resolve_device, select_accelerator
+from ..models.device import (
+    batch_to_device,
+    peak_flops,
+    recompute_overrides,
+    resolve_device,
+    select_accelerator,
+)
 from .initial_weights import initialize_weights
-from .metrics import PairSum, Reporter
+from .metrics import PairSum, Reporter, StepMetrics
 from .schedule import lr_factor
-from .signals import StopRequest
-
-# bf16 dense peak per GPU, for MFU
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+from .signals import StopRequest, agree
 
 BatchSource = Callable[[int, int], dict[str, torch.Tensor]]  # (step, micro) -> batch
 
@@ -59,6 +61,7 @@ class Run:
     scheduler: Any
     tokenizer: Any
     flops_per_token: float = 0.0
+    peak_flops: float | None = None  # per device, for MFU (None: unknown device)
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
 
@@ -137,6 +140,7 @@ def setup(cfg: RunConfig) -> Run:
         scheduler=lr_scheduler,
         tokenizer=tokenizer,
         flops_per_token=float(flops),
+        peak_flops=peak_flops(device),
     )
 
 
@@ -159,11 +163,10 @@ def data_config(
 
 
 def _forward(run: Run, batch: dict[str, torch.Tensor]):
+    """A micro-batch already on the compute device -> (loss sum, tokens, report pairs)."""
     from ..models import loss_func
 
-    tokens = batch["tokens"].to(run.device)
-    labels = batch["labels"].to(run.device)
-    loss_mask = batch["loss_mask"].to(run.device)
+    tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"]
     positions = torch.arange(tokens.shape[1], device=run.device).expand_as(tokens)
     per_token = run.engine(tokens, positions, None, labels=labels, loss_mask=loss_mask)
     return loss_func(loss_mask, per_token, run.engine.module.last_numeric_stats)
@@ -184,11 +187,9 @@ def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
     run.engine.eval()
     with torch.no_grad():
         for batch in loader:
-            totals.add(_forward(run, batch)[2])
+            totals.add(_forward(run, batch_to_device(batch, run.device))[2])
     run.engine.train()
-    values = totals.reduce(run.dp_group)
-    values["loss"] = values.pop("lm loss")
-    return values
+    return totals.reduce(run.dp_group)
 
 
 def next_micro_batches(
@@ -200,20 +201,38 @@ def next_micro_batches(
     return [next(source) for _ in range(run.accumulation)]
 
 
-def train_step(run: Run, micro_batches: list[dict[str, torch.Tensor]], step: int) -> dict:
-    """One optimizer step (`step` 1-based) over this rank's micro-batches; returns the step's
-    metrics, reduced over data-parallel ranks (the same on every rank).
+@dataclass
+class StepOutcome:
+    metrics: StepMetrics  # on the compute device until read
+    stop: bool  # agreed by every rank: a stop signal reached some rank
+    seconds: float  # the step's time, to the agreement (which waits for the device)
+
+
+def train_step(
+    run: Run,
+    micro_batches: list[dict[str, torch.Tensor]],
+    step: int,
+    stop: StopRequest | None = None,
+) -> StepOutcome:
+    """One optimizer step (`step` 1-based) over this rank's micro-batches (host tensors,
+    as the loader gives them).
 
     Each micro-batch's summed loss is divided by the tokens of the whole global batch (all
     micro-batches of all data-parallel ranks), then multiplied back by what DeepSpeed divides
     by (accumulation steps, data-parallel averaging): the step's gradient is that of
     sum(loss) / tokens over the global batch, whatever the parallel layout.
+
+    Counts and metrics stay on the device; the step's one host synchronisation is the
+    agreement on the stop signal and on a non-finite loss (`signals.agree`).
     """
     cfg, engine = run.cfg, run.engine
     start = time.perf_counter()
+    micro_batches = [batch_to_device(b, run.device) for b in micro_batches]
     tokens = torch.stack([b["loss_mask"].sum() for b in micro_batches]).sum().double()
-    dist.all_reduce(tokens, group=run.dp_group)
-    scale = run.dp_size * run.accumulation / max(tokens.item(), 1.0)
+    collectives.all_reduce(tokens, group=run.dp_group)
+    # a true division on the device, rounded once to the loss's float32 (as the host float
+    # of a Python division would be), so no step waits for the count to reach the host
+    scale = (tokens.new_full((), run.dp_size * run.accumulation) / tokens.clamp(min=1.0)).float()
     totals = PairSum()
     skipped_before = engine.skipped_steps
     for batch in micro_batches:
@@ -221,12 +240,14 @@ def train_step(run: Run, micro_batches: list[dict[str, torch.Tensor]], step: int
         engine.backward(loss_sum * scale)
         engine.step()
         totals.add(report)
-    values = totals.reduce(run.dp_group)
-    values["loss"] = values.pop("lm loss")
+    local_loss = totals.totals["lm loss"][0]  # this rank's loss sum
+    names, pairs = totals.reduced(run.dp_group)
+    agreed = agree(stop, ~torch.isfinite(local_loss))
     # The ZeRO optimizer skips a step whose gradient norm is not finite (NaN/inf loss
     # included): no update and no schedule step. Both signs are agreed by every rank (the
-    # overflow check and the loss are all-reduced). Count them; stop after too many.
-    if engine.skipped_steps > skipped_before or not math.isfinite(values["loss"]):
+    # overflow check inside DeepSpeed, the loss flag in `agree`). Count them; stop after
+    # too many.
+    if engine.skipped_steps > skipped_before or agreed.nonfinite:
         run.nonfinite_in_a_row += 1
         run.nonfinite_total += 1
         if run.is_main:
@@ -243,20 +264,25 @@ def train_step(run: Run, micro_batches: list[dict[str, torch.Tensor]], step: int
             )
     else:
         run.nonfinite_in_a_row = 0
-    values["skipped_steps"] = float(run.nonfinite_total)
-    elapsed = time.perf_counter() - start
-    grad_norm = engine.get_global_grad_norm()  # before clipping
-    if grad_norm is not None:
-        values["grad_norm"] = float(grad_norm)
-    values["lr"] = run.scheduler.get_last_lr()[0]
-    values["tokens_per_s"] = cfg.train.global_batch_size * cfg.train.seq_len / elapsed
+    seconds = time.perf_counter() - start
+    host = {
+        "skipped_steps": float(run.nonfinite_total),
+        "lr": run.scheduler.get_last_lr()[0],
+        **throughput(run, seconds),
+    }
+    metrics = StepMetrics(names, pairs, engine.get_global_grad_norm(), host)
+    return StepOutcome(metrics=metrics, stop=agreed.stop, seconds=seconds)
+
+
+def throughput(run: Run, seconds: float) -> dict[str, float]:
+    """tokens/s of the whole run; on GPU also TFLOP/s per device and MFU (against the
+    device's bf16 dense peak). `seconds` ends at a synchronisation, so it is device time."""
+    values = {"tokens_per_s": run.cfg.train.global_batch_size * run.cfg.train.seq_len / seconds}
     if run.device.type == "cuda":
-        name = torch.cuda.get_device_name()
-        per_gpu = run.flops_per_token * values["tokens_per_s"] / run.world
-        values["tflops"] = per_gpu / 1e12
-        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-        if peak:
-            values["mfu"] = per_gpu / peak
+        per_device = run.flops_per_token * values["tokens_per_s"] / run.world
+        values["tflops"] = per_device / 1e12
+        if run.peak_flops:
+            values["mfu"] = per_device / run.peak_flops
     return values
 
 
@@ -304,23 +330,30 @@ def train(
                 saved = checkpoint.save(run, step, loader, keep=cfg.train.keep_checkpoints)
                 result.checkpoint = str(saved)
 
+        def report(flushed: list[tuple[int, dict[str, float]]]) -> None:
+            result.losses.extend(values["loss"] for _, values in flushed)
+
         try:
             if start == 0:
                 result.eval_before = evaluate(run, cfg.eval.max_batches)
             for step in range(start + 1, last + 1):
-                values = train_step(run, next_micro_batches(run, source, step - 1), step)
+                batches_of_step = next_micro_batches(run, source, step - 1)
+                outcome = train_step(run, batches_of_step, step, stop)
+                extra = {}
                 if due(cfg.train.eval_interval, step, last):
-                    extra = evaluate(run, cfg.eval.max_batches) or {}
-                    values.update({f"eval/{k}": v for k, v in extra.items()})
-                result.losses.append(values["loss"])
-                reporter.step(step, values)
-                if stop.agreed(run.device):  # the one place the stop decision is read
+                    held_out = evaluate(run, cfg.eval.max_batches) or {}
+                    extra = {f"eval/{k}": v for k, v in held_out.items()}
+                report(reporter.step(step, outcome.metrics, extra))
+                if outcome.stop:  # the one place the stop decision is read
+                    report(reporter.flush())
                     keep(step)
                     reporter.message(f"stop requested: checkpoint of step {step} saved")
                     result.stopped = True
                     return result
                 if due(cfg.train.save_interval, step, last):
+                    report(reporter.flush())  # a resume from it finds every line up to it
                     keep(step)
+            report(reporter.flush())
             if start < last:
                 keep(last)
             elif path is not None:

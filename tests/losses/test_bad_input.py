@@ -21,10 +21,10 @@ def test_shape_mismatch():
 def test_label_out_of_range():
     labels = torch.zeros(2, 5, dtype=torch.long)
     labels[1, 3] = 40
-    with pytest.raises(ValueError, match="label 40 is out of range for a vocabulary of 40"):
+    with pytest.raises(ValueError, match="a label is out of range for a vocabulary of 40"):
         numeric_loss(torch.randn(2, 5, 40), labels, make_vocab())
     labels[1, 3] = -7
-    with pytest.raises(ValueError, match="label -7 is out of range"):
+    with pytest.raises(ValueError, match="a label is out of range"):
         numeric_loss(torch.randn(2, 5, 40), labels, make_vocab())
 
 

@@ -45,7 +45,7 @@ def main() -> None:
         "labels": tokens[:, 1:],
         "loss_mask": torch.ones(tokens[:, 1:].shape),
     }
-    values = train_step(run, [micro], 1)
+    values = train_step(run, [micro], 1).metrics.values()
     expected = batch["loss"].item()
     assert abs(values["loss"] - expected) <= 1e-5, (values["loss"], expected)
     if dist.get_rank() == 0:

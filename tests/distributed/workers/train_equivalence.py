@@ -85,7 +85,7 @@ def main() -> None:
     run = setup(cfg)
     trajectory = {"losses": [], "grad_norms": []}
     for step in range(1, cfg.train.steps + 1):
-        values = train_step(run, next_micro_batches(run, batches, step - 1), step)
+        values = train_step(run, next_micro_batches(run, batches, step - 1), step).metrics.values()
         trajectory["losses"].append(values["loss"])
         trajectory["grad_norms"].append(values["grad_norm"])
     module = run.engine.module

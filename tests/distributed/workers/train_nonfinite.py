@@ -41,7 +41,8 @@ def main() -> None:
     seen = []
     try:
         for step in range(1, cfg.train.steps + 1):
-            values = train_step(run, next_micro_batches(run, batches, step - 1), step)
+            outcome = train_step(run, next_micro_batches(run, batches, step - 1), step)
+            values = outcome.metrics.values()
             params = list(run.engine.module.parameters())
             with deepspeed.zero.GatheredParameters(params, enabled=int(zero) == 3):
                 weights.append(torch.cat([p.detach().flatten().clone() for p in params]))

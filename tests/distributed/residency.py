@@ -1,0 +1,213 @@
+"""Host or device, told apart on a CPU: what a GPU run would refuse, seen without a GPU.
+
+On CPU the loader's tensors and the compute device's tensors are the same memory, so a host
+tensor handed to an NCCL collective, or a host tensor mixed with a device tensor in an op,
+cannot fail here. `Residency` (a TorchFunctionMode) tracks where each tensor *would* live on
+a GPU run and records each place where such a run would fail or stall:
+
+* host tensors (`HostTensor`, a marker subclass): the loader's batches (`host_batches`),
+  what `torch.tensor` and the other factories make without a `device=` when called from
+  del_megatron/, and what `.cpu()` returns; ops on host tensors give host tensors;
+  `.to(device)` with a device (the compute device: on this CPU run, `cpu`) gives a device
+  tensor, as it would on the GPU.
+* a violation: a host tensor handed to a torch.distributed collective (NCCL takes CUDA
+  tensors only), or an op of our code mixing host and device tensors of more than zero
+  dimensions (CUDA refuses that; 0-dim host tensors are scalars it accepts).
+* a host synchronisation: `.item()`, `.tolist()`, `float()`/`int()`/`bool()` of a device
+  tensor, or `.cpu()` of one, from our code; counted per phase.
+
+Only calls made from del_megatron/ are judged; megatron-core, DeepSpeed and torch make their
+own tensors. The rules are a model of CUDA's, kept small: factories, `to`/`cpu`, copies,
+and "an op's result lives where its inputs live".
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+OURS = str(Path(__file__).resolve().parents[2] / "del_megatron") + "/"
+TORCH = str(Path(torch.__file__).resolve().parent) + "/"
+HERE = str(Path(__file__).resolve())
+
+FACTORIES = {
+    "tensor",
+    "as_tensor",
+    "from_numpy",
+    "frombuffer",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "linspace",
+    "eye",
+}
+SYNCS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy"}
+KEEPS_SELF = {"copy_", "__setitem__", "set_"}  # cross-device copies are allowed
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all_single",
+)
+
+
+class HostTensor(torch.Tensor):
+    """A tensor that, on a GPU run, lives in host memory (a marker only)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def _host(t) -> bool:
+    return isinstance(t, HostTensor)
+
+
+def _as(t, host: bool):
+    if not isinstance(t, torch.Tensor):
+        return t
+    if host and not _host(t):
+        return t.as_subclass(HostTensor)
+    if not host and _host(t):
+        return t.as_subclass(torch.Tensor)
+    return t
+
+
+def _caller() -> str | None:
+    """file:line of the first frame outside torch and this module."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(TORCH) and name != HERE:
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _device_arg(func_name: str, args, kwargs):
+    """The device a `to`/factory call names, or None."""
+    if "device" in kwargs and kwargs["device"] is not None:
+        return torch.device(kwargs["device"])
+    if func_name == "to":
+        for a in args[1:]:
+            if isinstance(a, (torch.device, str)):
+                return torch.device(a)
+            if isinstance(a, torch.Tensor):
+                return a.device
+    return None
+
+
+class Residency(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.violations: list[str] = []
+        self.syncs: collections.Counter[str] = collections.Counter()
+        self.sync_places: dict[str, list[str]] = collections.defaultdict(list)
+        self.phase = "setup"
+        self._originals: dict[str, object] = {}
+
+    # ---- tensors ----------------------------------------------------------------------
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        where = _caller()
+        ours = where is not None and where.startswith(OURS)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        hosts = [t for t in tensors if _host(t)]
+        result = func(*args, **kwargs)
+        if name in SYNCS and ours and tensors and not _host(tensors[0]):
+            self.syncs[self.phase] += 1
+            self.sync_places[self.phase].append(f"{name} at {where}")
+        if name in KEEPS_SELF:
+            return result
+        if name == "cpu" or name == "pin_memory":
+            if ours and name == "cpu" and not _host(args[0]):
+                self.syncs[self.phase] += 1
+                self.sync_places[self.phase].append(f"cpu() at {where}")
+            return _as(result, True)
+        if name == "to" or name == "cuda":
+            device = _device_arg(name, args, kwargs)
+            if device is not None or name == "cuda":
+                return _as(result, False)  # on the compute device now
+            return _as(result, _host(args[0]))
+        if name in FACTORIES:
+            if _device_arg(name, args, kwargs) is None and ours:
+                return _as(result, True)
+            return result
+        if not hosts:
+            return result
+        devices = [t for t in tensors if not _host(t)]
+        big_hosts = [t for t in hosts if t.dim() > 0]
+        if devices and big_hosts and any(t.dim() > 0 for t in devices) and ours:
+            self.violations.append(f"{name} mixes host and device tensors at {where}")
+        if devices and not big_hosts:
+            return result  # 0-dim host tensors act as scalars on the device
+        if isinstance(result, (tuple, list)):
+            return type(result)(_as(r, True) for r in result)
+        return _as(result, True)
+
+    # ---- collectives ------------------------------------------------------------------
+
+    def watch_collectives(self) -> None:
+        """Wrap torch.distributed's collectives (everyone's: ours, megatron's, DeepSpeed's
+        look them up at call time) with the host-tensor check."""
+        for name in COLLECTIVES:
+            original = getattr(dist, name)
+            self._originals[name] = original
+            setattr(dist, name, self._checked(name, original))
+
+    def _checked(self, name, original):
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            leaves = tree_flatten((args, kwargs))[0]
+            if any(_host(t) for t in leaves):
+                frame = sys._getframe(1)
+                while frame.f_code.co_filename.startswith(TORCH):
+                    frame = frame.f_back
+                self.violations.append(
+                    f"{name} got a host tensor at {frame.f_code.co_filename}:{frame.f_lineno}"
+                )
+            return original(*args, **kwargs)
+
+        return call
+
+    @staticmethod
+    def host_batches(iterate):
+        """A loader's __iter__ whose batches are host tensors, as a loader's are on a GPU run
+        (torch.from_numpy, where they are born, is not seen by torch function modes)."""
+
+        @functools.wraps(iterate)
+        def call(*args, **kwargs):
+            for batch in iterate(*args, **kwargs):
+                yield {k: _as(v, True) for k, v in batch.items()}
+
+        return call
+
+    def phased(self, phase: str, fn):
+        """fn, run with `self.phase` set to `phase` (numbered by call)."""
+        counter = collections.Counter()
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            counter[phase] += 1
+            previous, self.phase = self.phase, f"{phase}#{counter[phase]}"
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.phase = previous
+
+        return call

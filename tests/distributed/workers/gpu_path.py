@@ -1,0 +1,97 @@
+"""torchrun worker: the trainer's whole path read as a GPU run would execute it, on CPU.
+
+`train` (the real loop: the streaming loader, train_step, periodic evaluation, checkpoints,
+the final evaluation) runs 4 steps, then a second `train` resumes from the step-4 checkpoint
+to step 6, all under `tests/distributed/residency.Residency`, which tells the tensors a GPU
+run would hold in host memory from those on the device. Each rank writes what it saw to
+OUT.rank<r>.json: violations (a host tensor at a collective, host and device tensors mixed
+in an op) and the host synchronisations our code made in each phase (each train_step call,
+evaluation, checkpoint, reporter flush).
+
+argv: tokenizer manifest kind out
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from residency import Residency
+
+from del_megatron.config import parse_run_config
+
+
+def config(tokenizer: str, manifest: str, kind: str, out: str, steps: int):
+    return parse_run_config(
+        {
+            "model": {
+                "vocab_size": 800,
+                "hidden_size": 64,
+                "ffn_hidden_size": 160,
+                "num_layers": 2,
+                "num_attention_heads": 4,
+                "num_query_groups": 2,
+                "max_position_embeddings": 64,
+                "make_vocab_size_divisible_by": 16,
+            },
+            "loss": {"kind": kind.removesuffix("+fused"), "fused_output": kind.endswith("+fused")},
+            "parallel": {"tensor_parallel": 1, "zero_stage": 1},
+            "optim": {"lr": 1e-3, "warmup_fraction": 0.2},
+            "train": {
+                "steps": steps,
+                "micro_batch_size": 2,
+                "global_batch_size": 8,  # 2 micro-batches a step on each of 2 ranks
+                "seq_len": 32,
+                "device": "cpu",
+                "log_interval": 3,
+                "eval_interval": 2,
+                "save_interval": 2,
+            },
+            "data": {
+                "tokenizer": tokenizer,
+                "sources": [{"manifest": manifest}],
+                "num_workers": 0,  # tensors made in this process, where the mode sees them
+            },
+            "eval": {"sources": [{"manifest": manifest}], "max_batches": 2},
+            "logging": {"wandb": "disabled", "progress_bar": False},
+            "output_dir": out,
+        }
+    )
+
+
+def main() -> None:
+    tokenizer, manifest, kind, out = sys.argv[1:5]
+    from del_megatron.data import StreamingLoader
+    from del_megatron.training import checkpoint, trainer
+    from del_megatron.training.metrics import Reporter
+
+    residency = Residency()
+    residency.watch_collectives()
+    StreamingLoader.__iter__ = residency.host_batches(StreamingLoader.__iter__)
+    trainer.train_step = residency.phased("train_step", trainer.train_step)
+    trainer.evaluate = residency.phased("evaluate", trainer.evaluate)
+    checkpoint.save = residency.phased("checkpoint.save", checkpoint.save)
+    checkpoint.load = residency.phased("checkpoint.load", checkpoint.load)
+    if hasattr(Reporter, "flush"):
+        Reporter.flush = residency.phased("flush", Reporter.flush)
+    run_dir = str(Path(out).parent / "run")
+    with residency:
+        first = trainer.train(config(tokenizer, manifest, kind, run_dir, 4))
+        second = trainer.train(config(tokenizer, manifest, kind, run_dir, 6), resume="auto")
+    rank = dist.get_rank()
+    report = {
+        "violations": residency.violations,
+        "syncs": dict(residency.syncs),
+        "sync_places": dict(residency.sync_places),
+        "losses": first.losses + second.losses,
+    }
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(report, indent=1))
+    print("OK", rank, len(residency.violations), "violations")
+
+
+if __name__ == "__main__":
+    main()
