@@ -212,7 +212,12 @@ class RunConfig(_Section):
 
 def deepspeed_config(cfg: RunConfig, world_size: int, *, gpu: bool) -> dict[str, Any]:
     """The DeepSpeed JSON of a run (generated, so it cannot disagree with the run config):
-    bf16 and DeepSpeed's fused AdamW on GPU, float32 and torch's AdamW on CPU."""
+    bf16 on GPU, float32 on CPU; torch's AdamW (multi-tensor on GPU) under ZeRO on both.
+
+    Not DeepSpeed's FusedAdam: it is compiled at the first step (nvcc, ninja and the Python
+    headers matching torch's CUDA on every node), a start-up failure on images without a
+    compiler that torch's own kernels do not have; its speed-up is in the optimizer step
+    alone, unmeasured here."""
     return {
         "train_batch_size": cfg.train.global_batch_size,
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
@@ -226,7 +231,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int, *, gpu: bool) -> dict[str,
                 "betas": [cfg.optim.beta1, cfg.optim.beta2],
                 "eps": cfg.optim.eps,
                 "weight_decay": cfg.optim.weight_decay,
-                "torch_adam": not gpu,
+                "torch_adam": True,
             },
         },
         "bf16": {"enabled": gpu},
