@@ -350,6 +350,8 @@ def cmd_logits(args) -> int:
     device = resolve_device(args.device)
     checkpoint = load_model(Path(args.checkpoint), device)
     hf = load_model(export, device)
+    if (checkpoint.kind, hf.kind) != ("checkpoint", "hf"):  # megatron-core vs transformers
+        return write_notes(args.notes, "fail", f"loaded as {checkpoint.kind} and {hf.kind}")
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, checkpoint.tokenizer.vocab_size, (2, args.seq_len), generator=gen)
     with torch.no_grad():
