@@ -5,7 +5,7 @@
 
 One engine, one model; the loss kind is switched between alternating steps (the hook reads
 model.loss_config at every call), so everything else is identical. Prints the median step
-time of each and the ratio; on GPU also tokens/s and MFU.
+time of each and the ratio, tokens/s; on GPU also TFLOP/s per GPU and MFU.
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ def main() -> None:
     model = run.engine.module
     times: dict[str, list[float]] = {k: [] for k in kinds}
     rates: dict[str, list[float]] = {k: [] for k in kinds}
+    tflops: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(2 * (args.steps + 2)):
         kind = ("del", "mle")[(i + i // 2) % 2]  # ABBA order: no kind always goes first
         model.loss_config = kinds[kind]
@@ -116,6 +117,7 @@ def main() -> None:
         if i >= 4:  # warm-up
             times[kind].append(time.perf_counter() - start)
             rates[kind].append(outcome.metrics.host.get("mfu", float("nan")))
+            tflops[kind].append(outcome.metrics.host.get("tflops", float("nan")))
     if run.is_main:
         base = statistics.median(times["mle"])
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
@@ -123,13 +125,17 @@ def main() -> None:
             f"{'GPU 4-layer Llama-2-7B widths' if args.gpu_7b else 'tiny CPU model'}, "
             f"TP {cfg.parallel.tensor_parallel}, DP {run.dp_size}, {tokens} tokens a step"
         )
-        print(f"{'kind':6s} {'step ms':>9s} {'ratio':>7s} {'tokens/s':>10s} {'MFU':>6s}")
+        print(
+            f"{'kind':6s} {'step ms':>9s} {'ratio':>7s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
+            f"{'MFU':>6s}"
+        )
         for kind in ("mle", "del"):
             median = statistics.median(times[kind])
             mfu = statistics.median(rates[kind])
+            flops = statistics.median(tflops[kind])  # per GPU, as the trainer counts them
             print(
                 f"{kind:6s} {median * 1e3:9.1f} {median / base:6.3f}x {tokens / median:10.0f} "
-                f"{mfu:6.3f}"
+                f"{flops:8.1f} {mfu:6.3f}"
             )
 
 

@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 
 bash launch/setup_env.sh
 .venv/bin/ruff check .
-.venv/bin/shellcheck launch/*.sh launch/experiments/*.sh launch/slurm/train.sbatch docker/entrypoint.sh tests/slurm/cluster.sh .ci/run
+.venv/bin/shellcheck launch/*.sh launch/experiments/*.sh launch/slurm/train.sbatch docker/entrypoint.sh \
+  tests/slurm/cluster.sh .ci/run bench/gpu_acceptance.sh bench/fetch_gpu_wheels.sh
 .venv/bin/hadolint docker/Dockerfile
 .venv/bin/python -m pytest "$@"
