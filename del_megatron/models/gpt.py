@@ -25,13 +25,29 @@ class NumericLossGPTModel(GPTModel):
         self.digit_vocab = digit_vocab
         self.loss_config = loss_config
         self._loss_mask: torch.Tensor | None = None
-        self.emo_cost_embedding: torch.Tensor | None = None
         self.last_numeric_stats: dict[str, torch.Tensor] | None = None
+        if loss_config.kind == "emo":
+            # EMO's cost embedding [V/tp, h] is frozen from the weights the run starts from:
+            # a buffer, so it is in every checkpoint and a resume uses the one it started
+            # with (not one made from the trained weights); the safetensors weights and
+            # the HF export hold parameters only.
+            self.register_buffer(
+                "emo_cost_embedding",
+                emo_cost_embedding(self.shared_embedding_or_output_weight()),
+                persistent=True,
+            )
+        else:
+            self.emo_cost_embedding = None
 
     def freeze_emo_cost_embedding(self) -> None:
-        """Take EMO's cost embedding from the current output weights (this rank's rows).
-        Called on the first loss if not before; call it after loading weights to be explicit."""
-        self.emo_cost_embedding = emo_cost_embedding(self.shared_embedding_or_output_weight())
+        """Take EMO's cost embedding again from the current output weights (this rank's
+        rows): call it after loading initial weights into a built model (the trainer does).
+        Without it, the weights at construction are the ones it is taken from."""
+        if self.loss_config.kind == "emo" and self.emo_cost_embedding is not None:
+            with torch.no_grad():
+                self.emo_cost_embedding.copy_(
+                    emo_cost_embedding(self.shared_embedding_or_output_weight())
+                )
 
     def forward(self, *args, loss_mask: torch.Tensor | None = None, **kwargs):
         self._loss_mask = loss_mask
@@ -44,7 +60,10 @@ class NumericLossGPTModel(GPTModel):
         if self.loss_config.kind != "emo":
             return None
         if self.emo_cost_embedding is None:
-            self.freeze_emo_cost_embedding()
+            raise ValueError(
+                "loss kind 'emo' needs the model built with kind 'emo' (its cost embedding "
+                "is a buffer made at construction)"
+            )
         return self.emo_cost_embedding
 
     def _per_token(self, out) -> torch.Tensor:

@@ -107,6 +107,7 @@ def setup(cfg: RunConfig) -> Run:
         **recompute_overrides(device, cfg.train.activation_checkpointing),
     )
     initialize_weights(cfg, model)
+    model.freeze_emo_cost_embedding()  # from the weights the run starts from
 
     import deepspeed
 

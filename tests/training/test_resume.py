@@ -97,11 +97,14 @@ def kill_hard(proc) -> None:
     psutil.wait_procs(family, timeout=30)
 
 
-def test_exact_resume_after_sigkill(tmp_path, synth_tokenizer, synth_shards):
+@pytest.mark.parametrize("kind", ["del", "emo"])  # emo: its cost embedding is checkpointed
+def test_exact_resume_after_sigkill(tmp_path, synth_tokenizer, synth_shards, kind):
     straight = tmp_path / "straight"
-    run(command(straight, synth_tokenizer, synth_shards))
+    run(command(straight, synth_tokenizer, synth_shards, f"loss.kind={kind}"))
     interrupted = tmp_path / "interrupted"
-    cmd = command(interrupted, synth_tokenizer, synth_shards, "train.save_interval=10")
+    cmd = command(
+        interrupted, synth_tokenizer, synth_shards, "train.save_interval=10", f"loss.kind={kind}"
+    )
     kill_hard(start_and_wait(cmd, interrupted, step=13))
     assert (interrupted / "checkpoints" / "step-0000010" / "meta.json").is_file()
     proc = run([*cmd, "--resume", "auto"])
