@@ -89,3 +89,32 @@ def test_python_example_runs_at_tensor_parallel_2(index, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(proc.stdout.splitlines()) == 1, proc.stdout  # printed once, by rank 0
     assert "Warning" not in proc.stderr, proc.stderr
+
+
+# Programs a user's system brings (or a cluster does); everything else we print as a command
+# must be installed by launch/setup_env.sh into the virtual environment.
+SYSTEM_PROGRAMS = {"bash", "sbatch", "scancel", "docker", "cd", "git", "python", "export"}
+
+
+def _commands_in_docs() -> list[tuple[str, str]]:
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = [w for w in line.split("#", 1)[0].split() if "=" not in w]
+                if words:
+                    found.append((page.name, words[0]))
+    return found
+
+
+def test_every_command_we_print_is_installed():
+    venv_bin = Path(sys.executable).parent
+    for page, program in _commands_in_docs():
+        if program not in SYSTEM_PROGRAMS:
+            assert (venv_bin / program).exists(), f"{page}: {program} is not installed"
+    # huggingface_hub 2.x installs `hf` and no longer `huggingface-cli`: no page, config or
+    # message of ours may print the old name
+    for path in [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("configs/*.yaml")]:
+        assert "huggingface-cli" not in path.read_text(), path
+    for path in [*ROOT.glob("del_megatron/**/*.py"), *ROOT.glob("launch/**/*.sh")]:
+        assert "huggingface-cli" not in path.read_text(), path

@@ -137,7 +137,7 @@ CASES = [
         [],
         "holds checkpoints of an earlier run (newest step-0000004)",
     ),
-    ("init.hf missing", [], "huggingface-cli download org/model --local-dir models/nowhere"),
+    ("init.hf missing", [], "hf download org/model --local-dir models/nowhere"),
     ("init.hf broken config", [], "config.json: not JSON"),
     ("empty tokenizer file", [], "data.tokenizer:"),
     (

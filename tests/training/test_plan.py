@@ -52,7 +52,7 @@ def test_dry_run_of_each_7b_config_at_32_gpus_prints_the_plan(name, capsys, monk
     # the weights are not downloaded here: one line says where from
     cfg = load_run_config(ROOT / "configs" / f"{name}.yaml")
     assert code == 2
-    assert f"huggingface-cli download {cfg.init.hf_hub_id} --local-dir {cfg.init.hf}" in err
+    assert f"hf download {cfg.init.hf_hub_id} --local-dir {cfg.init.hf}" in err
 
 
 def test_a_plan_that_does_not_fit_names_the_knob(capsys, monkeypatch):
