@@ -118,3 +118,12 @@ def test_every_command_we_print_is_installed():
         assert "huggingface-cli" not in path.read_text(), path
     for path in [*ROOT.glob("del_megatron/**/*.py"), *ROOT.glob("launch/**/*.sh")]:
         assert "huggingface-cli" not in path.read_text(), path
+
+
+def test_one_exit_status_for_a_stop():
+    """A stop by signal exits 75 (del-train's EXIT_STOPPED) wherever the README says it."""
+    from del_megatron.cli.train import EXIT_STOPPED
+
+    flat = " ".join(README.split())
+    assert not re.search(r"SIG(TERM|USR1)[^.;]{0,60}exits? 0", flat)
+    assert f"exit {EXIT_STOPPED}" in flat

@@ -126,7 +126,12 @@ def _device(requested: str) -> torch.device:
 
 
 def evaluate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="del-eval", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="del-eval",
+        description=__doc__.splitlines()[0],
+        epilog="del-eval compare RESULT_DIR ... --out DIR: tables and plots over several "
+        "evaluated runs (del-eval compare --help)",
+    )
     parser.add_argument(
         "model",
         type=Path,

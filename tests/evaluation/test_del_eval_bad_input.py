@@ -87,3 +87,9 @@ def test_a_metrics_line_cut_by_a_kill_is_left_out(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "ce": 2.0}\n{"event": "resume"}\n{"step": 2, "ce": 1.')
     assert read_curve(path) == [(1, 2.0)]
+
+
+def test_help_names_compare(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "del-eval compare RESULT_DIR" in capsys.readouterr().out

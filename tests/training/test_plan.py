@@ -84,3 +84,13 @@ def test_counts_and_parts_add_up():
     parts = {k: v for k, v in plan.per_gpu.items() if k != "total"}
     assert sum(parts.values()) == plan.per_gpu["total"]
     assert plan.device_bytes == 80 * GIB and plan.fits
+
+
+def test_the_tiny_configs_size_in_words_is_the_plans():
+    """configs/tiny_cpu.yaml names its size in its first line; the plan counts it."""
+    import re
+
+    text = (ROOT / "configs" / "tiny_cpu.yaml").read_text()
+    said = float(re.search(r"~([\d.]+)M-parameter", text).group(1))
+    counted = count_parameters(load_run_config(ROOT / "configs" / "tiny_cpu.yaml", []).model, 2)
+    assert said == round(counted.unpadded / 1e6, 1)
