@@ -21,18 +21,36 @@ from .arguments import positive_float, positive_int
 EXIT_STOPPED = 75
 
 
-def final_table(before: dict[str, float] | None, after: dict[str, float] | None) -> str:
+def objective_name(loss) -> str:
+    """What the training loss adds up, in words: 'CE' for mle, 'CE + 0.1·del' for the kinds
+    that add a numeric term, the kind's own name for those that reshape CE (mixce, emo)."""
+    if loss.kind == "mle":
+        return "CE"
+    if loss.kind in ("mixce", "emo"):
+        return f"{loss.kind} objective"
+    return f"CE + {loss.resolved_alpha:g}·{loss.kind}"
+
+
+def final_table(
+    before: dict[str, float] | None, after: dict[str, float] | None, objective: str = "CE"
+) -> str:
+    """Held-out metrics before and after training. Both the cross entropy (what del-eval's
+    'loss (CE)' reports) and the training objective are named, since they differ."""
     if before is None or after is None:
         return "no held-out data (eval.sources) to compare"
-    rows = [
-        ("held-out loss", "loss", ".4f"),
+    rows = [("held-out CE", "ce", ".4f")]
+    if objective != "CE":
+        rows.append((f"held-out loss ({objective})", "loss", ".4f"))
+    rows += [
         ("digit accuracy", "digit_acc", ".4f"),
         ("digit entropy", "digit_entropy", ".4f"),
         ("digit abs error", "digit_abs_error", ".3f"),
     ]
-    lines = [f"{'':18s} {'before':>10s} {'after':>10s}"]
+    width = max(len(label) for label, _, _ in rows)
+    lines = [f"{'':{width}s} {'before':>10s} {'after':>10s}"]
     for label, key, fmt in rows:
-        lines.append(f"{label:18s} {before[key]:>10{fmt}} {after[key]:>10{fmt}}")
+        if key in before and key in after:
+            lines.append(f"{label:{width}s} {before[key]:>10{fmt}} {after[key]:>10{fmt}}")
     return "\n".join(lines)
 
 
@@ -112,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         if result.eval_after is not None:
-            print(final_table(result.eval_before, result.eval_after))
+            print(final_table(result.eval_before, result.eval_after, objective_name(cfg.loss)))
         if result.checkpoint:
             stopped = "stopped on request (resume with --resume auto); " if result.stopped else ""
             print(f"{stopped}checkpoint: {result.checkpoint}", flush=True)

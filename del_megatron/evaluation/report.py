@@ -14,7 +14,8 @@ from ..errors import UserError
 from ..outputs import write_text_atomic
 
 SUMMARY = [  # (label, path in results.json, format)
-    ("loss", ("numeric", "loss"), ".4f"),
+    # teacher-forced cross entropy: not a training objective's CE + alpha * numeric term
+    ("loss (CE)", ("numeric", "loss"), ".4f"),
     ("perplexity", ("numeric", "perplexity"), ".2f"),
     ("digit acc", ("numeric", "digit_acc"), ".4f"),
     ("digit acc among digits", ("numeric", "digit_cond_acc"), ".4f"),

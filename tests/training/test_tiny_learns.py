@@ -40,11 +40,15 @@ def test_shortened_tiny_run_learns(tmp_path, synth_corpus, synth_tokenizer, synt
     table = {
         m[0]: (float(m[1]), float(m[2]))
         for m in re.findall(
-            r"^(held-out loss|digit accuracy|digit entropy)\s+(\S+)\s+(\S+)$", out, flags=re.M
+            r"^(held-out CE|held-out loss \(CE \+ 0\.1·del\)|digit accuracy|digit entropy)"
+            r"\s+(\S+)\s+(\S+)$",
+            out,
+            flags=re.M,
         )
     }
-    assert set(table) == {"held-out loss", "digit accuracy", "digit entropy"}, out[-3000:]
-    loss_before, loss_after = table["held-out loss"]
+    expected = {"held-out CE", "held-out loss (CE + 0.1·del)", "digit accuracy", "digit entropy"}
+    assert set(table) == expected, out[-3000:]
+    loss_before, loss_after = table["held-out loss (CE + 0.1·del)"]
     acc_before, acc_after = table["digit accuracy"]
     assert loss_before - loss_after >= MIN_LOSS_DROP, table
     assert acc_after - acc_before >= MIN_DIGIT_ACC_GAIN, table

@@ -1,0 +1,21 @@
+"""What the commands print for a user: every number named for what it is."""
+
+from __future__ import annotations
+
+from del_megatron.cli.train import final_table, objective_name
+from del_megatron.evaluation.report import markdown_table
+from del_megatron.losses import NumericLossConfig
+
+HELD_OUT = {"loss": 2.5, "ce": 2.4, "digit_acc": 0.1, "digit_entropy": 1.0, "digit_abs_error": 2}
+
+
+def test_the_two_losses_are_named_for_what_they_add_up():
+    """The quick start's held-out loss is the training objective (CE + alpha * DEL), del-eval's
+    is the cross entropy; each table says which, and the quick start shows both."""
+    objective = objective_name(NumericLossConfig(kind="del", alpha=0.1))
+    assert objective == "CE + 0.1·del"
+    table = final_table(HELD_OUT, HELD_OUT, objective)
+    assert "held-out CE " in table and "held-out loss (CE + 0.1·del) " in table
+    assert objective_name(NumericLossConfig(kind="mle")) == "CE"
+    assert "held-out loss" not in final_table(HELD_OUT, HELD_OUT, "CE")  # one number, once
+    assert "| loss (CE) | 2.4000 |" in markdown_table({"numeric": {"loss": 2.4}})
