@@ -93,6 +93,12 @@ def damage(case: str, tmp: Path, shards: Path, fingerprint: str, tree: dict) -> 
             (path / "model" / "arch.json").write_text(json.dumps({**arch, "hidden_size": 256}))
         elif case == "checkpoint missing rng":
             (path / "rng" / "rank00001.pt").unlink()
+        elif case in ("checkpoint of two sources", "checkpoint of another worker count"):
+            # as the quick start with --gsm8k leaves it: two sources, one worker
+            state = {"version": 1, "dp_size": 1, "dp_rank": 0, "consumed": 8}
+            state["num_workers"] = 1 if case == "checkpoint of two sources" else 2
+            state["workers"] = {"0": {"readers": [{}, {}] if "two" in case else [{}]}}
+            (path / "data_state.json").write_text(json.dumps([state, state]))
         elif case == "checkpoint of another tokenizer":
             meta = json.loads((path / "meta.json").read_text())
             (path / "meta.json").write_text(json.dumps({**meta, "tokenizer": "vocab-other"}))
@@ -132,6 +138,17 @@ CASES = [
     ("checkpoint of another architecture", [], "saved with model.hidden_size=256"),
     ("checkpoint missing rng", [], "rank00001.pt: missing"),
     ("checkpoint of another tokenizer", [], "saved with another tokenizer"),
+    (
+        "checkpoint of two sources",
+        [],
+        "its data-loader state has 2 sources and data.sources has 1: resume with the "
+        "data.sources it was saved with",
+    ),
+    (
+        "checkpoint of another worker count",
+        [],
+        "saved with data.num_workers=2, this run has 1: resume with data.num_workers=2",
+    ),
     (
         "checkpoint over a fresh start",
         [],
