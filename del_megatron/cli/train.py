@@ -1,4 +1,4 @@
-"""del-train --config FILE [section.field=value ...] [--dry-run]
+"""del-train --config FILE [section.field=value ...] [--dry-run | --check]
 
 Run under torchrun or SLURM for several processes; alone it runs one. Exit status: 0 done,
 2 a mistake the user can fix (one line), 75 stopped on request (SIGTERM / SIGUSR1 on any
@@ -64,6 +64,26 @@ def _node_leader() -> bool:
     return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0"
 
 
+# Set by our launchers (launch/torchrun.sh): a directory where a rank that stops on a user's
+# mistake leaves its one line, so that the launcher can end with that line and status 2
+# where torchrun would report any failing rank as its own failure with status 1.
+USER_ERROR_DIR = "DEL_USER_ERROR_DIR"
+
+
+def leave_user_error(message: str) -> None:
+    directory = os.environ.get(USER_ERROR_DIR)
+    if not directory:
+        return
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    path = os.path.join(directory, f"rank-{rank}")
+    try:  # written whole (rename), so the launcher never reads half a line
+        with open(path + ".tmp", "w", encoding="utf-8") as file:
+            file.write(message + "\n")
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # the line is on stderr already; the launcher then reports torchrun's status
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="del-train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="run config (YAML)")
@@ -71,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         "--dry-run",
         action="store_true",
         help="run every check, print the resolved config, memory plan and layout, exit",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="run every start-up check quietly (one line when they pass), exit; the "
+        "launchers run it once before starting the ranks",
     )
     parser.add_argument(
         "--gpu-memory",
@@ -116,6 +142,16 @@ def main(argv: list[str] | None = None) -> int:
             layout = preflight(cfg, world, device_here=device_here, resume=args.resume)
             print("# layout: " + json.dumps(layout))
             return 0
+        if args.check:
+            layout = preflight(cfg, world, resume=args.resume)
+            start = layout["resume_step"]
+            print(
+                f"del-train: checks passed: {world} rank(s), tensor parallel "
+                f"{layout['tensor_parallel']} x data parallel {layout['data_parallel']}, "
+                + (f"resuming at step {start}" if start is not None else "starting at step 0"),
+                flush=True,
+            )
+            return 0
         preflight(cfg, world, resume=args.resume)
         if not plan.fits and cfg.train.device != "cpu" and _node_leader():
             print(f"del-train: {plan_lines[-1]}", file=sys.stderr, flush=True)
@@ -125,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         if _node_leader():
             print(f"del-train: error: {err}", file=sys.stderr)  # once a node, not once a rank
+        leave_user_error(f"del-train: error: {err}")
         return 2
     import torch.distributed as dist
 

@@ -192,3 +192,17 @@ def test_option_mistakes(argv, expected, setup, capsys):
         main(["--config", str(config), *argv])
     assert exit_.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_a_mistake_is_left_for_the_launcher(setup, capsys, monkeypatch, tmp_path):
+    """Under launch/torchrun.sh (DEL_USER_ERROR_DIR set) the rank's one line is also left in
+    that directory, for the script to end with it and status 2."""
+    _, config, *_ = setup
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    monkeypatch.setenv("DEL_USER_ERROR_DIR", str(errors))
+    monkeypatch.setenv("RANK", "1")
+    assert main(["--config", str(config), "optim.lrr=1"]) == 2
+    line = capsys.readouterr().err
+    assert [p.name for p in errors.iterdir()] == ["rank-1"]
+    assert (errors / "rank-1").read_text() == line
