@@ -223,3 +223,42 @@ def test_torchrun_sh_sigterm_saves_and_exits_stopped(tmp_path, synth_tokenizer, 
     assert len(saved) == 1
     step = json.loads((saved[0] / "meta.json").read_text())["step"]
     assert f"checkpoint of step {step} saved" in stdout
+
+
+def sbatch_dry_run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """launch/slurm/train.sbatch run as a script outside any allocation (no SLURM_*)."""
+    environment = {k: v for k, v in torchrun_env().items() if not k.startswith("SLURM_")}
+    environment.update(DEL_DRY_RUN="1", DEL_LOG_DIR=str(tmp_path / "logs"), **env)
+    return subprocess.run(
+        ["bash", "launch/slurm/train.sbatch", *args],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_sbatch_dry_run_needs_no_allocation_and_writes_nothing(
+    tmp_path, synth_tokenizer, synth_shards
+):
+    proc = sbatch_dry_run(tmp_path, "configs/tiny_cpu.yaml", "train.steps=5")
+    assert proc.returncode == 0, proc.stderr
+    command = proc.stdout.split("# command: ", 1)[1]
+    assert command.startswith("srun --kill-on-bad-exit=0 --wait=120 --label ")
+    assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume auto" in command
+    assert "with WORLD_SIZE=N (the job's ranks) this dry run also runs del-train's" in proc.stdout
+    assert not (tmp_path / "logs").exists()
+    # with the job's ranks: del-train's dry run for them, and its one line for a mistake
+    run = tiny_run(tmp_path, synth_tokenizer, synth_shards)
+    proc = sbatch_dry_run(tmp_path, *run, WORLD_SIZE="4")
+    assert proc.returncode == 0, proc.stderr
+    assert '"world_size": 4, "tensor_parallel": 2, "data_parallel": 2' in proc.stdout
+    proc = sbatch_dry_run(tmp_path, *run, "optim.lrr=1", WORLD_SIZE="4")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        "del-train: error: optim.lrr: unknown field; did you mean optim.lr?"
+    )
+    assert not (tmp_path / "logs").exists()
+    assert "logs/" in (ROOT / ".gitignore").read_text().split()
