@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from del_megatron.cli.train import final_table, objective_name
 from del_megatron.evaluation.report import markdown_table
 from del_megatron.losses import NumericLossConfig
@@ -19,3 +21,28 @@ def test_the_two_losses_are_named_for_what_they_add_up():
     assert objective_name(NumericLossConfig(kind="mle")) == "CE"
     assert "held-out loss" not in final_table(HELD_OUT, HELD_OUT, "CE")  # one number, once
     assert "| loss (CE) | 2.4000 |" in markdown_table({"numeric": {"loss": 2.4}})
+
+
+def test_a_finished_run_says_how_to_evaluate_and_export_it(tmp_path, monkeypatch):
+    """The commands named are those of the environment del-train runs in, and exist."""
+    import shlex
+
+    from del_megatron.cli.train import next_steps
+    from del_megatron.config import load_run_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config(
+        Path(__file__).parents[1] / "configs" / "tiny_cpu.yaml", [f"output_dir={tmp_path}/run"]
+    )
+    lines = next_steps(cfg, "run/checkpoints/step-0000300").splitlines()
+    evaluate = shlex.split(lines[1].split(":", 1)[1])
+    assert Path(evaluate[0]).is_file() and evaluate[0].endswith("del-eval")
+    assert evaluate[1:] == [
+        "run/checkpoints/step-0000300",
+        "--heldout",
+        "runs/tiny/shards/heldout/manifest.json",
+        "--out",
+        f"{tmp_path}/run/eval",
+    ]
+    export = shlex.split(lines[2].split(":", 1)[1])
+    assert Path(export[0]).is_file() and export[1] == "megatron-to-hf"

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+from pathlib import Path
 
 from ..config import dump_run_config, load_run_config
 from ..errors import UserError
@@ -52,6 +54,32 @@ def final_table(
         if key in before and key in after:
             lines.append(f"{label:{width}s} {before[key]:>10{fmt}} {after[key]:>10{fmt}}")
     return "\n".join(lines)
+
+
+def installed(program: str) -> str:
+    """How to call one of our commands from here: through the environment del-train runs
+    in (`.venv/bin/del-eval` from the repository), or by name when that is not below here."""
+    path = Path(sys.executable).parent / program
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return program if shutil.which(program) == str(path) else str(path)
+
+
+def next_steps(cfg, checkpoint: str) -> str:
+    """What a user does with a finished run: evaluate it, export it, train it further."""
+    heldout = "".join(f" --heldout {s.manifest}" for s in cfg.eval.sources)
+    out = Path(cfg.output_dir)
+    return "\n".join(
+        [
+            "next:",
+            f"  evaluate:  {installed('del-eval')} {checkpoint}{heldout} --out {out / 'eval'}",
+            f"  export:    {installed('del-convert')} megatron-to-hf --checkpoint {checkpoint} "
+            f"--out {out / 'hf'}",
+            f"  continue:  the same command with --resume auto and train.steps above "
+            f"{cfg.train.steps}",
+        ]
+    )
 
 
 def _cuda_available() -> bool:
@@ -155,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         preflight(cfg, world, resume=args.resume)
         if not plan.fits and cfg.train.device != "cpu" and _node_leader():
             print(f"del-train: {plan_lines[-1]}", file=sys.stderr, flush=True)
+        from ..training import progress
         from ..training.trainer import train
 
+        progress.building(cfg, world)
         result = train(cfg, resume=args.resume)
     except UserError as err:
         if _node_leader():
@@ -171,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         if result.checkpoint:
             stopped = "stopped on request (resume with --resume auto); " if result.stopped else ""
             print(f"{stopped}checkpoint: {result.checkpoint}", flush=True)
+            if not result.stopped:
+                print(next_steps(cfg, result.checkpoint), flush=True)
     return EXIT_STOPPED if result.stopped else 0
 
 

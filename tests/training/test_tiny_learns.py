@@ -52,6 +52,17 @@ def test_shortened_tiny_run_learns(tmp_path, synth_corpus, synth_tokenizer, synt
     acc_before, acc_after = table["digit accuracy"]
     assert loss_before - loss_after >= MIN_LOSS_DROP, table
     assert acc_after - acc_before >= MIN_DIGIT_ACC_GAIN, table
+    # never silent for long: each slow part is announced, in order, before the first step line
+    said = [
+        "del-train: building the model and DeepSpeed (ZeRO 1) on 2 rank(s)",
+        "del-train: held-out evaluation before training (20 batches at most)",
+        f"del-train: training steps 1-{STEPS}, a line every 20",
+        f"step 20/{STEPS}",
+        "del-train: held-out evaluation after training",
+        "next:",
+    ]
+    places = [out.find(line) for line in said]
+    assert -1 not in places and places == sorted(places), list(zip(said, places, strict=True))
     # console lines, a checkpoint, and an offline wandb run
     assert re.search(r"step 80/80 \| loss \S+ \| ce \S+ \| numeric \S+ \| digit_acc", out)
     assert (tmp_path / "run" / "checkpoints" / f"step-{STEPS:07d}" / "run_config.yaml").is_file()
