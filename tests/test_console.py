@@ -46,3 +46,24 @@ def test_a_finished_run_says_how_to_evaluate_and_export_it(tmp_path, monkeypatch
     ]
     export = shlex.split(lines[2].split(":", 1)[1])
     assert Path(export[0]).is_file() and export[1] == "megatron-to-hf"
+
+
+def test_a_cpu_dry_run_plans_no_assumed_gpu(
+    tmp_path, capsys, monkeypatch, synth_tokenizer, synth_shards
+):
+    from del_megatron.cli.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = Path(__file__).parents[1] / "configs" / "tiny_cpu.yaml"
+    overrides = [
+        f"data.tokenizer={synth_tokenizer}",
+        f"data.sources=[{{manifest: {synth_shards}}}]",
+        "eval.sources=[]",
+        f"output_dir={tmp_path}",
+    ]
+    assert main(["--config", str(config), "--dry-run", *overrides]) == 0
+    plan = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# plan")]
+    assert plan[1] == (
+        "# plan: train.device=cpu: no GPU memory to plan (--gpu-memory GIB plans it for a GPU)"
+    )
+    assert not any("GiB GPU" in line for line in plan)

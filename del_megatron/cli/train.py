@@ -160,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         world = launch_world_size()
         plan = plan_run(cfg, world, gpu_memory_gib=args.gpu_memory)
         plan_lines = plan.lines(cfg.parallel.zero_stage, cfg.train.activation_checkpointing)
+        if cfg.train.device == "cpu" and args.gpu_memory is None:
+            # a CPU run uses host memory: a plan against an assumed GPU would be no answer
+            plan_lines = [
+                plan_lines[0],
+                "train.device=cpu: no GPU memory to plan (--gpu-memory GIB plans it for a GPU)",
+            ]
         if args.dry_run:  # the config and the plan first: they help also when a check fails
             print(dump_run_config(cfg), end="")
             print("\n".join(f"# plan: {line}" for line in plan_lines), flush=True)
