@@ -262,3 +262,14 @@ def test_sbatch_dry_run_needs_no_allocation_and_writes_nothing(
     )
     assert not (tmp_path / "logs").exists()
     assert "logs/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_no_launch_script_fixes_a_port():
+    """Two runs on one machine must not meet on a fixed rendezvous port: torchrun picks a
+    free one with --standalone; SLURM jobs take theirs from the job id."""
+    scripts = [*ROOT.glob("launch/*.sh"), *ROOT.glob("launch/experiments/*.sh")]
+    for script in scripts:
+        text = script.read_text()
+        assert "master_port" not in text and "MASTER_PORT" not in text, script
+    sbatch = (ROOT / "launch" / "slurm" / "train.sbatch").read_text()
+    assert "MASTER_PORT=${MASTER_PORT:-$((20000 + job % 20000))}" in sbatch
