@@ -111,7 +111,8 @@ def test_every_command_we_print_is_installed():
     venv_bin = Path(sys.executable).parent
     for page, program in _commands_in_docs():
         if program not in SYSTEM_PROGRAMS:
-            assert (venv_bin / program).exists(), f"{page}: {program} is not installed"
+            name = program.removeprefix(".venv/bin/")
+            assert (venv_bin / name).exists(), f"{page}: {program} is not installed"
     # huggingface_hub 2.x installs `hf` and no longer `huggingface-cli`: no page, config or
     # message of ours may print the old name
     for path in [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("configs/*.yaml")]:
@@ -127,3 +128,11 @@ def test_one_exit_status_for_a_stop():
     flat = " ".join(README.split())
     assert not re.search(r"SIG(TERM|USR1)[^.;]{0,60}exits? 0", flat)
     assert f"exit {EXIT_STOPPED}" in flat
+
+
+def test_every_code_block_says_what_it_needs():
+    """Each fenced block of the README is introduced by what it needs (or why it is not
+    run), in the text just before it."""
+    for match in re.finditer(r"```(bash|python)\n", README):
+        before = README[: match.start()][-400:]
+        assert "Needs" in before or "needs" in before, README[match.start() : match.start() + 80]
