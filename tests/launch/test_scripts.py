@@ -211,7 +211,7 @@ def test_torchrun_sh_sigterm_saves_and_exits_stopped(tmp_path, synth_tokenizer, 
         text=True,
     )
     metrics = out / "metrics.jsonl"
-    deadline = time.time() + 300
+    deadline = time.time() + 600  # a guard against a hang; the launcher checks the run first
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
         assert time.time() < deadline and proc.poll() is None, proc.stderr
         time.sleep(0.05)
