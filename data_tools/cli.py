@@ -23,7 +23,11 @@ def _fields(args: argparse.Namespace) -> Fields:
 
 def _add_fields(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-field", default="text", help="JSON/parquet field of the text")
-    parser.add_argument("--prompt-field", help="instruction data: field of the prompt (masked)")
+    parser.add_argument(
+        "--prompt-field",
+        help="instruction data: field of the prompt (masked); its tokens come right before the "
+        "response's, nothing added between (end the prompt with the separator you want)",
+    )
     parser.add_argument("--response-field", help="instruction data: field of the response")
 
 
@@ -71,7 +75,8 @@ def cmd_build(args: argparse.Namespace) -> None:
 def cmd_inspect(args: argparse.Namespace) -> None:
     from .inspect import inspect_shards
 
-    print(json.dumps(inspect_shards(args.manifest, args.tokenizer), indent=1))
+    stats = inspect_shards(args.manifest, args.tokenizer, args.samples)
+    print(json.dumps(stats, indent=1, ensure_ascii=False))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -125,8 +130,14 @@ def parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_build)
 
     i = sub.add_parser("inspect", help="documents, tokens, digit share, number lengths")
-    i.add_argument("manifest", type=Path)
-    i.add_argument("--tokenizer", type=Path, help="to count digit tokens")
+    i.add_argument("manifest", type=Path, help="manifest.json, or the shard directory")
+    i.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="to count digit tokens and decode samples (default: the manifest's tokenizer "
+        "file, when found beside the shards)",
+    )
+    i.add_argument("--samples", type=non_negative_int, default=1, help="documents to show decoded")
     i.set_defaults(func=cmd_inspect)
     return p
 

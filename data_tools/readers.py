@@ -15,6 +15,7 @@ stream ends that file's documents where the damage starts; both are recorded per
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import hashlib
 import json
@@ -44,6 +45,16 @@ class Fields:
     def __post_init__(self) -> None:
         if (self.prompt is None) != (self.response is None):
             raise InputError("give both --prompt-field and --response-field, or neither")
+
+    def missing(self, name: str, have: list[str]) -> str:
+        """'no field X (have [...])' with the option that picks another field: the fix."""
+        if self.prompt is None:
+            fix = "--text-field NAME (or --prompt-field/--response-field for pairs)"
+        else:
+            fix = "--prompt-field/--response-field NAME"
+        close = difflib.get_close_matches(name, have, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return f"no field {name!r} (have {sorted(have)}); {hint}choose it with {fix}"
 
 
 # A record: the text, or (prompt, response).
@@ -222,7 +233,7 @@ def _pick(record: dict, fields: Fields, where: str) -> Record:
         text = record[fields.text]
     except KeyError as err:
         raise Damage(
-            f"{where}: no field {err.args[0]!r} (have {sorted(record)})", stream=False
+            f"{where}: {fields.missing(err.args[0], list(record))}", stream=False
         ) from None
     if not isinstance(text, str):
         raise Damage(
@@ -329,7 +340,7 @@ def _parquet_records(
         raise InputError(f"{path}: not a readable parquet file ({err})") from None
     missing = [c for c in columns if c not in schema.names]
     if missing:
-        raise InputError(f"{path}: no column {missing[0]!r} (have {schema.names})")
+        raise InputError(f"{path}: {fields.missing(missing[0], list(schema.names))}")
     try:
         table = pq.read_table(path, columns=columns)
     except (pyarrow.ArrowException, OSError) as err:

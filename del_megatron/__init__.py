@@ -8,6 +8,21 @@ warnings.filterwarnings(
     "ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed", category=UserWarning
 )
 
+
+def _quiet_cpu_only_notices() -> None:
+    """megatron-core's tensor-parallel layers recommend CUDA_DEVICE_MAX_CONNECTIONS=1 on every
+    forward, also on CPU (gloo), where there is no CUDA stream it could apply to. On a GPU the
+    advice stands (del-train sets the variable itself), so it is silenced only without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        warnings.filterwarnings(
+            "ignore", message="When using async grad allreduce", category=UserWarning
+        )
+
+
+_quiet_cpu_only_notices()
+
 from .losses import (  # noqa: E402
     DigitVocab,
     NumericLossConfig,

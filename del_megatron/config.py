@@ -9,8 +9,10 @@ never written by hand.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -286,12 +288,44 @@ def _apply_override(tree: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = value
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds (X, X | None, tuple[X, ...])."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _known_fields(loc: tuple) -> list[str]:
+    """The field names allowed where `loc` points (its last part being the unknown one)."""
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):  # an item of a list of sections (data.sources.0)
+            continue
+        field = model.model_fields.get(part)
+        nested = _models_in(field.annotation) if field is not None else []
+        if not nested:
+            return []
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def _unknown_field(loc: tuple, where: str) -> str:
+    known = _known_fields(loc)
+    parent = ".".join(str(p) for p in loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    if close:
+        return f"{where}: unknown field; did you mean {'.'.join([parent, close[0]]).lstrip('.')}?"
+    if known:
+        return f"{where}: unknown field ({parent or 'the config'} has {', '.join(known)})"
+    return f"{where}: unknown field"
+
+
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "config"
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        return f"{where}: unknown field"
+        return _unknown_field(tuple(first["loc"]), where)
     if first["type"] == "missing":
         return f"{where}: required field missing"
     if where == "config" or message.startswith(("parallel.", "train.", "optim.", "model.")):

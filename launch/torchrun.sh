@@ -10,7 +10,13 @@
 # this script exits 75 ("stopped, run me again"). The ranks are signalled directly because
 # torchrun dies on SIGUSR1 unless told otherwise, and kills its ranks 30 s after a SIGTERM,
 # which can cut a checkpoint short (DEL_SHUTDOWN_TIMEOUT raises that, default 900 s, where
-# the installed torchrun allows it). --dry-run prints the command instead of running it.
+# the installed torchrun allows it).
+# Before starting the ranks, the script runs del-train's start-up checks once for N ranks
+# (`del-train --check`): a mistake in the config, data or checkpoint is one line and status
+# 2, before torchrun starts. A rank that stops later on a mistake leaves its line in a
+# per-run temporary directory (DEL_USER_ERROR_DIR); the script ends with that line and
+# status 2, where torchrun would report status 1. --dry-run runs `del-train --dry-run` for N
+# ranks (config, memory plan, layout, every check), then prints the command.
 # Environment: DEL_PYTHON (interpreter; default .venv/bin/python if present, else python3).
 set -euo pipefail
 
@@ -21,7 +27,7 @@ while [ $# -gt 0 ]; do
     --nproc-per-node | --nproc_per_node) nproc=$2; shift 2 ;;
     --nproc-per-node=* | --nproc_per_node=*) nproc=${1#*=}; shift ;;
     --dry-run) dry_run=1; shift ;;
-    -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "torchrun.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -38,7 +44,12 @@ if [ ! -f "$config" ]; then
 fi
 if [ -z "$nproc" ]; then
   nproc=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
-  [ "$nproc" -gt 0 ] || nproc=1
+  if [ "$nproc" -gt 0 ]; then
+    echo "torchrun.sh: $nproc process(es), one per GPU found (--nproc-per-node N to choose)" >&2
+  else
+    nproc=1
+    echo "torchrun.sh: no GPU found: 1 process (--nproc-per-node N to choose)" >&2
+  fi
 fi
 case $nproc in
   '' | *[!0-9]* | 0) echo "torchrun.sh: --nproc-per-node must be a positive integer, got '$nproc'" >&2; exit 2 ;;
@@ -57,14 +68,25 @@ launcher=("$python" -m torch.distributed.run --standalone "--nproc-per-node=$npr
 if "$python" -m torch.distributed.run --help 2>/dev/null | grep -q -- '--shutdown[-_]timeout'; then
   launcher+=("--shutdown-timeout=${DEL_SHUTDOWN_TIMEOUT:-900}")
 fi
-command=("${launcher[@]}" -m del_megatron.cli.train --config "$config" --resume auto "$@")
+train=(-m del_megatron.cli.train --config "$config" --resume auto)
+command=("${launcher[@]}" "${train[@]}" "$@")
+# the checks as rank 0 of N: the variables torchrun would set (and none SLURM's would)
+as_rank0=(env RANK=0 LOCAL_RANK=0 "WORLD_SIZE=$nproc")
 
 if [ "$dry_run" = 1 ]; then
+  "${as_rank0[@]}" "$python" "${train[@]}" --dry-run "$@" # its status: 2 for a mistake
+  printf '# command: '
   printf '%q ' "${command[@]}"
   echo
   exit 0
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
+echo "torchrun.sh: checking the run for $nproc rank(s)" >&2
+"${as_rank0[@]}" "$python" "${train[@]}" --check "$@" # a mistake: its one line, status 2
+user_errors=$(mktemp -d "${TMPDIR:-/tmp}/del-train-errors.XXXXXX")
+trap 'rm -rf "$user_errors"' EXIT
+export DEL_USER_ERROR_DIR=$user_errors
+echo "torchrun.sh: starting $nproc rank(s)" >&2
 "${command[@]}" &
 launcher_pid=$!
 stop_signal=""
@@ -84,6 +106,14 @@ while :; do
   wait "$launcher_pid" || status=$?
   [ "$interrupted" = 1 ] || break # else wait was cut short by a signal: wait again
 done
+if [ "$status" != 0 ]; then
+  for line in "$user_errors"/rank-*; do
+    if [ -f "$line" ]; then
+      cat "$line" >&2 # torchrun's report above is about this: the mistake is the last line
+      exit 2
+    fi
+  done
+fi
 if [ -n "$stop_signal" ] && [ "$status" != 0 ]; then
   echo "torchrun.sh: stopped on request; run the same command again to continue" >&2
   exit "$STOPPED"

@@ -45,8 +45,9 @@ def test_dry_run_prints_resolved_config_and_layout(valid, capsys, monkeypatch):
 
 MISTAKES = [
     # (overrides, WORLD_SIZE, expected text in the one line)
-    (["optim.lrr=1"], 2, "optim.lrr: unknown field"),
-    (["trainer.steps=3"], 2, "trainer: unknown field"),
+    (["optim.lrr=1"], 2, "optim.lrr: unknown field; did you mean optim.lr?"),
+    (["trainer.steps=3"], 2, "trainer: unknown field; did you mean train?"),
+    (["zzz=1"], 2, "zzz: unknown field (the config has model, loss, parallel, optim,"),
     (["optim.lr=-1"], 2, "optim.lr: Input should be greater than 0"),
     (
         ["parallel.tensor_parallel=3"],

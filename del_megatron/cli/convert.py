@@ -26,6 +26,7 @@ from .arguments import positive_int
 
 
 def hf_to_megatron_cmd(args: argparse.Namespace) -> str:
+    print(f"del-convert: converting {args.hf} to {args.out}", flush=True)
     checkpoint = HFCheckpoint(args.hf)
     arch = architecture_from_hf(checkpoint.config, divisible_by=args.divisible_by)
     check_hf_tensors(checkpoint.shapes, arch)
@@ -44,8 +45,14 @@ def hf_to_megatron_cmd(args: argparse.Namespace) -> str:
 
 
 def megatron_to_hf_cmd(args: argparse.Namespace) -> str:
+    print(f"del-convert: exporting {args.checkpoint} to {args.out}", flush=True)
     what = export_hf(args.checkpoint, args.out, dtype=args.dtype, force=args.force)
-    return f"{args.checkpoint} -> {args.out} ({what})"
+    return (
+        f"{args.checkpoint} -> {args.out} ({what})\n"
+        f"next: transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r}) and "
+        f"AutoTokenizer.from_pretrained({str(args.out)!r}) load it; del-eval {args.out} "
+        "--heldout MANIFEST evaluates it"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

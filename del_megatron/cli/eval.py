@@ -24,6 +24,38 @@ import torch
 from ..errors import UserError
 from .arguments import non_negative_int, positive_int
 
+# The longest default window: a checkpoint and its Hugging Face export share
+# max_position_embeddings, so a default taken from it alone gives both the same windows
+# (and the same metrics); the cap keeps long-context models' windows affordable.
+DEFAULT_WINDOW = 2048
+
+
+def window_length(requested: int | None, positions: int) -> int:
+    if requested is None:
+        return min(positions, DEFAULT_WINDOW)
+    if requested > positions:
+        raise UserError(
+            f"--seq-len {requested} exceeds the model's max_position_embeddings={positions}: "
+            f"choose --seq-len {positions} or less"
+        )
+    return requested
+
+
+def fitting_prompts(
+    lengths: list[int], max_new_tokens: int, shots: int, positions: int
+) -> list[int]:
+    """Which prompts leave room for --max-new-tokens within the model's positions (past them
+    a model's outputs are meaningless; transformers only warns). None fitting is refused."""
+    keep = [i for i, n in enumerate(lengths) if n + max_new_tokens <= positions]
+    if not keep:
+        raise UserError(
+            f"--gsm8k: no prompt ({min(lengths)} tokens or more with {shots} shots) leaves "
+            f"room for --max-new-tokens {max_new_tokens} within the model's "
+            f"max_position_embeddings={positions}: use fewer --shots or a smaller "
+            "--max-new-tokens"
+        )
+    return keep
+
 
 def check_heldout(manifests: list[str]) -> None:
     """Each held-out manifest readable and its listed shards present at their sizes."""
@@ -88,6 +120,22 @@ def generation(loaded, args, problems: list, shots: list, scratch: Path) -> dict
     from ..evaluation.backends import hf_directory
 
     prompts = [gen.prompt_of(p, shots, args.template) for p in problems]
+    keep = fitting_prompts(
+        [len(loaded.tokenizer.encode(p)) for p in prompts],
+        args.max_new_tokens,
+        len(shots),
+        args.max_positions,
+    )
+    left_out = len(prompts) - len(keep)
+    if left_out:
+        print(
+            f"del-eval: left out {left_out} of {len(prompts)} problems whose prompt plus "
+            f"--max-new-tokens {args.max_new_tokens} exceeds the model's "
+            f"{args.max_positions} positions",
+            file=sys.stderr,
+            flush=True,
+        )
+        problems, prompts = [problems[i] for i in keep], [prompts[i] for i in keep]
     if args.backend == "vllm":
         completions = gen.generate_vllm(
             hf_directory(loaded, scratch),
@@ -111,7 +159,11 @@ def generation(loaded, args, problems: list, shots: list, scratch: Path) -> dict
         )
     result = gen.score(problems, completions)
     result.update(
-        file=str(args.gsm8k), shots=len(shots), template=args.template, backend=args.backend
+        file=str(args.gsm8k),
+        shots=len(shots),
+        template=args.template,
+        backend=args.backend,
+        left_out_too_long=left_out,
     )
     return result
 
@@ -126,7 +178,12 @@ def _device(requested: str) -> torch.device:
 
 
 def evaluate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="del-eval", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="del-eval",
+        description=__doc__.splitlines()[0],
+        epilog="del-eval compare RESULT_DIR ... --out DIR: tables and plots over several "
+        "evaluated runs (del-eval compare --help)",
+    )
     parser.add_argument(
         "model",
         type=Path,
@@ -142,7 +199,8 @@ def evaluate_main(argv: list[str]) -> int:
     parser.add_argument(
         "--seq-len",
         type=positive_int,
-        help="window length (default: the checkpoint's training length, else 512)",
+        help=f"window length, at most the model's max_position_embeddings (default: that, "
+        f"at most {DEFAULT_WINDOW}; the same for a checkpoint and its export)",
     )
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument(
@@ -192,7 +250,7 @@ def evaluate_main(argv: list[str]) -> int:
     if not (args.heldout or args.gsm8k or args.lm_eval):
         parser.error("nothing to evaluate: give --heldout, --gsm8k and/or --lm-eval")
 
-    from ..evaluation.backends import load_model
+    from ..evaluation.backends import load_model, max_positions
     from ..evaluation.report import markdown_table, write_results
 
     device = _device(args.device)
@@ -200,9 +258,12 @@ def evaluate_main(argv: list[str]) -> int:
     if args.gsm8k:
         inputs["problems"], inputs["shots"] = problems_and_shots(args)
     check_heldout(args.heldout)
+    args.max_positions = max_positions(args.model)
+    seq_len = window_length(args.seq_len, args.max_positions)
+    if not args.quiet:
+        print(f"del-eval: loading {args.model}", file=sys.stderr, flush=True)
     loaded = load_model(args.model, device)
     if args.heldout:
-        seq_len = args.seq_len or loaded.seq_len or 512
         inputs["heldout"] = heldout_config(args.heldout, seq_len, args.batch_size)
     with tempfile.TemporaryDirectory(prefix="del-eval-") as scratch:  # a checkpoint's export
         results = _evaluate(loaded, args, inputs, device, Path(scratch))
@@ -267,7 +328,7 @@ def compare_main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
 
-    from ..evaluation.report import comparison_table, plot_comparison, read_curve
+    from ..evaluation.report import comparison_table, plot_comparison, read_curve, window_note
     from ..outputs import write_text_atomic
 
     groups: dict[str, list[dict]] = {}
@@ -290,9 +351,14 @@ def compare_main(argv: list[str]) -> int:
     if args.agree_within is not None:
         check_agreement([r for rs in groups.values() for r in rs], args.agree_within)
     table = comparison_table(groups)
+    note = window_note(groups)
+    if note:
+        table += f"\n{note}\n"
     write_text_atomic(args.out / "comparison.md", table)
     for png in plot_comparison(groups, curves, args.out):
         print(f"plot: {png}")
+    if not curves:
+        print("no loss curves: no metrics.jsonl beside the results (copy a run's in to plot it)")
     print(table, end="")
     return 0
 

@@ -1,4 +1,4 @@
-"""del-train --config FILE [section.field=value ...] [--dry-run]
+"""del-train --config FILE [section.field=value ...] [--dry-run | --check]
 
 Run under torchrun or SLURM for several processes; alone it runs one. Exit status: 0 done,
 2 a mistake the user can fix (one line), 75 stopped on request (SIGTERM / SIGUSR1 on any
@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+from pathlib import Path
 
 from ..config import dump_run_config, load_run_config
 from ..errors import UserError
@@ -21,19 +23,63 @@ from .arguments import positive_float, positive_int
 EXIT_STOPPED = 75
 
 
-def final_table(before: dict[str, float] | None, after: dict[str, float] | None) -> str:
+def objective_name(loss) -> str:
+    """What the training loss adds up, in words: 'CE' for mle, 'CE + 0.1·del' for the kinds
+    that add a numeric term, the kind's own name for those that reshape CE (mixce, emo)."""
+    if loss.kind == "mle":
+        return "CE"
+    if loss.kind in ("mixce", "emo"):
+        return f"{loss.kind} objective"
+    return f"CE + {loss.resolved_alpha:g}·{loss.kind}"
+
+
+def final_table(
+    before: dict[str, float] | None, after: dict[str, float] | None, objective: str = "CE"
+) -> str:
+    """Held-out metrics before and after training. Both the cross entropy (what del-eval's
+    'loss (CE)' reports) and the training objective are named, since they differ."""
     if before is None or after is None:
         return "no held-out data (eval.sources) to compare"
-    rows = [
-        ("held-out loss", "loss", ".4f"),
+    rows = [("held-out CE", "ce", ".4f")]
+    if objective != "CE":
+        rows.append((f"held-out loss ({objective})", "loss", ".4f"))
+    rows += [
         ("digit accuracy", "digit_acc", ".4f"),
         ("digit entropy", "digit_entropy", ".4f"),
         ("digit abs error", "digit_abs_error", ".3f"),
     ]
-    lines = [f"{'':18s} {'before':>10s} {'after':>10s}"]
+    width = max(len(label) for label, _, _ in rows)
+    lines = [f"{'':{width}s} {'before':>10s} {'after':>10s}"]
     for label, key, fmt in rows:
-        lines.append(f"{label:18s} {before[key]:>10{fmt}} {after[key]:>10{fmt}}")
+        if key in before and key in after:
+            lines.append(f"{label:{width}s} {before[key]:>10{fmt}} {after[key]:>10{fmt}}")
     return "\n".join(lines)
+
+
+def installed(program: str) -> str:
+    """How to call one of our commands from here: through the environment del-train runs
+    in (`.venv/bin/del-eval` from the repository), or by name when that is not below here."""
+    path = Path(sys.executable).parent / program
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return program if shutil.which(program) == str(path) else str(path)
+
+
+def next_steps(cfg, checkpoint: str) -> str:
+    """What a user does with a finished run: evaluate it, export it, train it further."""
+    heldout = "".join(f" --heldout {s.manifest}" for s in cfg.eval.sources)
+    out = Path(cfg.output_dir)
+    return "\n".join(
+        [
+            "next:",
+            f"  evaluate:  {installed('del-eval')} {checkpoint}{heldout} --out {out / 'eval'}",
+            f"  export:    {installed('del-convert')} megatron-to-hf --checkpoint {checkpoint} "
+            f"--out {out / 'hf'}",
+            f"  continue:  the same command with --resume auto and train.steps above "
+            f"{cfg.train.steps}",
+        ]
+    )
 
 
 def _cuda_available() -> bool:
@@ -46,6 +92,26 @@ def _node_leader() -> bool:
     return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0"
 
 
+# Set by our launchers (launch/torchrun.sh): a directory where a rank that stops on a user's
+# mistake leaves its one line, so that the launcher can end with that line and status 2
+# where torchrun would report any failing rank as its own failure with status 1.
+USER_ERROR_DIR = "DEL_USER_ERROR_DIR"
+
+
+def leave_user_error(message: str) -> None:
+    directory = os.environ.get(USER_ERROR_DIR)
+    if not directory:
+        return
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    path = os.path.join(directory, f"rank-{rank}")
+    try:  # written whole (rename), so the launcher never reads half a line
+        with open(path + ".tmp", "w", encoding="utf-8") as file:
+            file.write(message + "\n")
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # the line is on stderr already; the launcher then reports torchrun's status
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="del-train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="run config (YAML)")
@@ -53,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         "--dry-run",
         action="store_true",
         help="run every check, print the resolved config, memory plan and layout, exit",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="run every start-up check quietly (one line when they pass), exit; the "
+        "launchers run it once before starting the ranks",
     )
     parser.add_argument(
         "--gpu-memory",
@@ -88,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         world = launch_world_size()
         plan = plan_run(cfg, world, gpu_memory_gib=args.gpu_memory)
         plan_lines = plan.lines(cfg.parallel.zero_stage, cfg.train.activation_checkpointing)
+        if cfg.train.device == "cpu" and args.gpu_memory is None:
+            # a CPU run uses host memory: a plan against an assumed GPU would be no answer
+            plan_lines = [
+                plan_lines[0],
+                "train.device=cpu: no GPU memory to plan (--gpu-memory GIB plans it for a GPU)",
+            ]
         if args.dry_run:  # the config and the plan first: they help also when a check fails
             print(dump_run_config(cfg), end="")
             print("\n".join(f"# plan: {line}" for line in plan_lines), flush=True)
@@ -98,24 +176,39 @@ def main(argv: list[str] | None = None) -> int:
             layout = preflight(cfg, world, device_here=device_here, resume=args.resume)
             print("# layout: " + json.dumps(layout))
             return 0
+        if args.check:
+            layout = preflight(cfg, world, resume=args.resume)
+            start = layout["resume_step"]
+            print(
+                f"del-train: checks passed: {world} rank(s), tensor parallel "
+                f"{layout['tensor_parallel']} x data parallel {layout['data_parallel']}, "
+                + (f"resuming at step {start}" if start is not None else "starting at step 0"),
+                flush=True,
+            )
+            return 0
         preflight(cfg, world, resume=args.resume)
         if not plan.fits and cfg.train.device != "cpu" and _node_leader():
             print(f"del-train: {plan_lines[-1]}", file=sys.stderr, flush=True)
+        from ..training import progress
         from ..training.trainer import train
 
+        progress.building(cfg, world)
         result = train(cfg, resume=args.resume)
     except UserError as err:
         if _node_leader():
             print(f"del-train: error: {err}", file=sys.stderr)  # once a node, not once a rank
+        leave_user_error(f"del-train: error: {err}")
         return 2
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         if result.eval_after is not None:
-            print(final_table(result.eval_before, result.eval_after))
+            print(final_table(result.eval_before, result.eval_after, objective_name(cfg.loss)))
         if result.checkpoint:
             stopped = "stopped on request (resume with --resume auto); " if result.stopped else ""
             print(f"{stopped}checkpoint: {result.checkpoint}", flush=True)
+            if not result.stopped:
+                print(next_steps(cfg, result.checkpoint), flush=True)
     return EXIT_STOPPED if result.stopped else 0
 
 

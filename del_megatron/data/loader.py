@@ -22,6 +22,39 @@ from .stream import SlotStream, Windows, build_slot_stream
 LOADER_STATE_VERSION = 1
 
 
+def check_resumable(
+    states: list[dict[str, Any] | None], dp_size: int, num_workers: int, sources: int
+) -> None:
+    """The refusals that StreamingLoader.load_state_dict (and its streams') would make when a
+    run resumes these saved per-rank states, made before anything starts: preflight runs it,
+    so a dry run catches them. Each DataError names the fix. States saved at another
+    data-parallel size are not loaded position by position (consume_elsewhere): no refusal."""
+    workers = max(num_workers, 1)
+    for state in states:
+        if not state:
+            continue
+        if state.get("version") != LOADER_STATE_VERSION:
+            raise DataError(
+                f"data-loader state version {state.get('version')} is not {LOADER_STATE_VERSION}"
+            )
+        if state.get("dp_size") != dp_size:
+            return
+        if state.get("num_workers") != workers:
+            raise DataError(
+                f"its data-loader state was saved with data.num_workers={state.get('num_workers')}"
+                f", this run has {workers}: resume with data.num_workers="
+                f"{state.get('num_workers')}"
+            )
+        for worker in state.get("workers", {}).values():
+            saved = len(worker.get("readers", []))
+            if saved != sources:
+                raise DataError(
+                    f"its data-loader state has {saved} sources and data.sources has {sources}:"
+                    " resume with the data.sources it was saved with (its run_config.yaml), "
+                    "or start a new run in another output_dir"
+                )
+
+
 def load_manifests(
     cfg: DataConfig, fingerprint: str | None = None, *, check_shards: bool = False
 ) -> list[tuple[str, Manifest]]:

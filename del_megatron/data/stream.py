@@ -257,8 +257,8 @@ class SlotStream:
             )
         if len(state["readers"]) != len(self.readers):
             raise DataError(
-                f"data-loader state has {len(state['readers'])} sources, the config "
-                f"{len(self.readers)}"
+                f"data-loader state has {len(state['readers'])} sources, data.sources "
+                f"{len(self.readers)}: resume with the data.sources it was saved with"
             )
         for reader, reader_state in zip(self.readers, state["readers"], strict=True):
             reader.load_state_dict(reader_state)

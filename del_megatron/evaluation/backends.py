@@ -8,6 +8,7 @@ metrics on the same windows agree to float32 rounding (tested within 1e-4).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,20 @@ class Loaded:
     forward: Any  # tokens [b, s] long -> logits [b, s, V] float32 (V: the tokenizer's size)
     seq_len: int | None  # the training sequence length, when the checkpoint says it
     hf_model: Any = None  # the transformers model, for generation (Hugging Face directories)
+
+
+def max_positions(path: Path) -> int:
+    """The model's max_position_embeddings, read before the model loads (the architecture
+    record of a checkpoint, config.json of a Hugging Face directory): the longest window and
+    the longest prompt plus generation the model can take."""
+    if model_kind(path) == "checkpoint":
+        from ..models.weight_files import MegatronWeights
+
+        return MegatronWeights(path).arch.max_position_embeddings
+    try:
+        return int(json.loads((path / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{path}/config.json: no max_position_embeddings ({err})") from None
 
 
 def model_kind(path: Path) -> str:

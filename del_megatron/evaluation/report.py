@@ -14,7 +14,8 @@ from ..errors import UserError
 from ..outputs import write_text_atomic
 
 SUMMARY = [  # (label, path in results.json, format)
-    ("loss", ("numeric", "loss"), ".4f"),
+    # teacher-forced cross entropy: not a training objective's CE + alpha * numeric term
+    ("loss (CE)", ("numeric", "loss"), ".4f"),
     ("perplexity", ("numeric", "perplexity"), ".2f"),
     ("digit acc", ("numeric", "digit_acc"), ".4f"),
     ("digit acc among digits", ("numeric", "digit_cond_acc"), ".4f"),
@@ -39,6 +40,9 @@ def _get(results: dict, path: tuple[str, ...]) -> float | None:
 
 def markdown_table(results: dict) -> str:
     rows = ["| metric | value |", "|---|---|"]
+    seq_len = _get(results, ("numeric", "seq_len"))
+    if seq_len is not None:  # the windows the teacher-forced metrics were measured on
+        rows.append(f"| windows (tokens) | {seq_len} |")
     for label, path, fmt in SUMMARY:
         value = _get(results, path)
         if value is not None:
@@ -64,6 +68,22 @@ def mean_and_spread(values: list[float]) -> tuple[float, float]:
     if not kept:
         return float("nan"), float("nan")
     return statistics.fmean(kept), statistics.stdev(kept) if len(kept) > 1 else 0.0
+
+
+def window_note(groups: dict[str, list[dict]]) -> str:
+    """A note when the runs' teacher-forced metrics come from windows of different lengths
+    (not comparable as they stand: longer windows see more context); '' when they agree."""
+    lengths = {
+        name: sorted({_get(r, ("numeric", "seq_len")) for r in runs} - {None})
+        for name, runs in groups.items()
+    }
+    if len({n for ns in lengths.values() for n in ns}) <= 1:
+        return ""
+    each = ", ".join(f"{name} {'/'.join(map(str, ns))}" for name, ns in lengths.items() if ns)
+    return (
+        f"note: the teacher-forced metrics come from windows of different lengths ({each} "
+        "tokens); evaluate with one --seq-len to compare them"
+    )
 
 
 def comparison_table(groups: dict[str, list[dict]]) -> str:
@@ -99,7 +119,11 @@ def plot_comparison(
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, runs in groups.items():
-        hists = [r["numeric"]["digit_entropy_histogram"] for r in runs if "numeric" in r]
+        hists = [
+            r["numeric"]["digit_entropy_histogram"]
+            for r in runs
+            if "digit_entropy_histogram" in r.get("numeric", {})
+        ]
         if not hists:
             continue
         edges = hists[0]["edges"]
@@ -132,6 +156,8 @@ def plot_comparison(
     fig.savefig(written[-1], dpi=120)
     plt.close(fig)
 
+    if not any(points for runs in curves.values() for points in runs):
+        return written  # no run has metrics.jsonl: no curves, rather than an empty plot
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, runs in curves.items():
         if not runs:

@@ -61,7 +61,11 @@ def logit_gradient_(
     """exp [c, owned] = exp(z - max) of some rows becomes, in place, the gradient of the loss
     with respect to their logits z: softmax * dCE (+ the EMO part), minus dCE at the target,
     plus each digit class's gradient spread over its member ids by their shares.
-    emo_parts: (cost [owned, h], target embedding [c, h], emo [c], grad_emo [c]) or None."""
+    emo_parts: (cost [owned, h], target embedding [c, h], emo [c], grad_emo [c]) or None.
+    A shard of padding only (owned == 0) has no gradient to write: its local ids are all 0,
+    which would index past its empty columns."""
+    if exp.shape[1] == 0:
+        return exp
     if emo_parts is not None:
         cost, target_embedding, emo, grad_emo = emo_parts
         # d emo_t / d z_u = -q_u (e_t . e_u - (1 - emo_t))
@@ -124,9 +128,11 @@ class _VocabParallelParts(torch.autograd.Function):
         if cost is not None:
             # [N, 2h]: sum_v exp_v e_v over owned columns, and e_target from its owner.
             local_cost = cost[:owned].to(dtype)
-            emo_parts = torch.cat(
-                [exp @ local_cost, local_cost[local_target] * owns_target.unsqueeze(1)], dim=1
-            )
+            if owned:
+                owned_target = local_cost[local_target] * owns_target.unsqueeze(1)
+            else:  # a shard of padding only owns no target (and has no row 0 to index)
+                owned_target = torch.zeros(rows, cost.shape[1], dtype=dtype, device=cost.device)
+            emo_parts = torch.cat([exp @ local_cost, owned_target], dim=1)
             collectives.all_reduce(emo_parts, op=dist.ReduceOp.SUM, group=group)
             expected, target_embedding = emo_parts.chunk(2, dim=1)
             emo = 1 - (target_embedding * expected).sum(-1) / sum_exp

@@ -27,9 +27,8 @@ def open_initial_weights(cfg: RunConfig) -> Initial | None:
     if not Path(where).is_dir():
         hint = ""
         if cfg.init.hf and cfg.init.hf_hub_id:
-            hint = (
-                f"; download it: huggingface-cli download {cfg.init.hf_hub_id} --local-dir {where}"
-            )
+            # `hf`: the command huggingface_hub 2.x installs (its older name is gone)
+            hint = f"; download it: hf download {cfg.init.hf_hub_id} --local-dir {where}"
         raise ConfigError(f"{field}: {where} does not exist{hint}")
     try:
         if cfg.init.hf:

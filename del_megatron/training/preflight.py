@@ -3,13 +3,14 @@ tokenizer, initial weights, data manifests. Each failure is a ConfigError with o
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, RunConfig
 from ..data import DataError
-from ..data.loader import load_manifests
+from ..data.loader import check_resumable, load_manifests
 from ..losses.vocab import TokenizerError
 from ..models.device import resolve_device
 from .initial_weights import open_initial_weights
@@ -42,9 +43,16 @@ def _resume_point(cfg: RunConfig, resume: str, fingerprint: str, world: int) -> 
     try:
         path = checkpoint.resolve(resume, cfg.output_dir)
         if path is not None:
-            return checkpoint.check(path, cfg, fingerprint, world)["step"]
+            step = checkpoint.check(path, cfg, fingerprint, world)["step"]
+            states = json.loads((path / "data_state.json").read_text())  # checked: readable
+            check_resumable(
+                states, cfg.data_parallel_size(world), cfg.data.num_workers, len(cfg.data.sources)
+            )
+            return step
     except checkpoint.CheckpointError as err:
         raise ConfigError(f"--resume {resume}: {err}") from None
+    except DataError as err:
+        raise ConfigError(f"--resume {resume}: {path}: {err}") from None
     found = checkpoint.complete_checkpoints(checkpoint.root_of(cfg.output_dir))
     if resume == "none" and found:
         raise ConfigError(

@@ -25,6 +25,7 @@ from ..models.device import (
     resolve_device,
     select_accelerator,
 )
+from . import progress
 from .initial_weights import initialize_weights
 from .metrics import PairSum, Reporter, StepMetrics
 from .schedule import lr_factor
@@ -319,6 +320,7 @@ def train(
         if run.is_main:
             checkpoint.remove_partial(cfg.output_dir)
         if path is not None:
+            progress.say(f"loading {path}")
             start = checkpoint.load(run, path, loader)
             if run.is_main:
                 print(f"resumed from {path} at step {start}", flush=True)
@@ -336,7 +338,9 @@ def train(
 
         try:
             if start == 0:
+                progress.held_out(cfg, "before training")
                 result.eval_before = evaluate(run, cfg.eval.max_batches)
+            progress.steps(cfg, start)
             for step in range(start + 1, last + 1):
                 batches_of_step = next_micro_batches(run, source, step - 1)
                 outcome = train_step(run, batches_of_step, step, stop)
@@ -360,6 +364,7 @@ def train(
             elif path is not None:
                 reporter.message(f"{path} is the last step ({last}): nothing left to train")
                 result.checkpoint = str(path)
+            progress.held_out(cfg, "after training")
             result.eval_after = evaluate(run, cfg.eval.max_batches)
             if result.eval_after is not None:
                 reporter.log({f"eval/{k}": v for k, v in result.eval_after.items()}, last)

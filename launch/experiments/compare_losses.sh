@@ -44,8 +44,8 @@ for kind in "${kinds[@]}"; do
       rm -rf "$run" # a run of ours cut short: start it again
       mkdir -p "$run"
       echo "== $kind, seed $seed"
-      OMP_NUM_THREADS=1 $bin/torchrun --nproc_per_node=2 --master_addr=127.0.0.1 \
-        --master_port="${MASTER_PORT:-29561}" -m del_megatron.cli.train \
+      # --standalone: a free port of its own, so runs on one machine never collide
+      OMP_NUM_THREADS=1 $bin/torchrun --standalone --nproc_per_node=2 -m del_megatron.cli.train \
         --config configs/tiny_cpu.yaml "loss.kind=$kind" "train.seed=$seed" \
         "train.steps=$steps" "data.tokenizer=$data/tokenizer.model" \
         "data.sources=[{manifest: $data/shards/train/manifest.json}]" "eval.sources=[]" \

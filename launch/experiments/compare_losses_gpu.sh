@@ -7,7 +7,7 @@
 #   KINDS="mle del dist2" STEPS=500 GSM8K=data/gsm8k/test.jsonl \
 #     bash launch/experiments/compare_losses_gpu.sh
 #
-# Needs models/qwen2.5-1.5b (huggingface-cli download Qwen/Qwen2.5-1.5B --local-dir ...), the
+# Needs models/qwen2.5-1.5b (hf download Qwen/Qwen2.5-1.5B --local-dir ...), the
 # shards the config names (README, Multi-node: the same data-tools commands with
 # --tokenizer models/qwen2.5-1.5b), and GSM8K-format jsonl. Results: runs/compare-gpu/.
 set -euo pipefail

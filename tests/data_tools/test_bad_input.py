@@ -88,7 +88,12 @@ def damaged_inputs(tmp: Path) -> list[tuple[str, Path, str]]:
     put("cut.jsonl", full[:-10], "line 60", "jsonl cut inside the last record")
     put("utf8.jsonl", full[:50] + b"\xff\xfe" + full[50:], "not UTF-8 at byte 50", "invalid UTF-8")
     put("utf8.txt", b"12 apples\n\xff\n", "not UTF-8 at byte 10", "txt invalid UTF-8")
-    put("field.jsonl", jsonl(field="body"), "line 1 (byte 0): no field 'text'", "missing field")
+    put(
+        "field.jsonl",
+        jsonl(field="body"),
+        "line 1 (byte 0): no field 'text' (have ['body']); choose it with --text-field NAME",
+        "missing field",
+    )
     put("array.jsonl", b"[1, 2]\n", "line 1 (byte 0): not a JSON object", "not an object")
     put("trailing.jsonl.zst", zst(full) + b"garbage", "corrupt compressed data", "zst + junk")
     return cases
@@ -245,8 +250,13 @@ def test_directory_inputs_take_every_file_or_refuse(tmp_path, capsys, synth_toke
             "give both --prompt-field and --response-field",
         ),
         (
+            ["build", "{good}", "-o", "{tmp}/o", "--tokenizer", "{tok}"]
+            + ["--prompt-field", "txt", "--response-field", "answer"],
+            "did you mean 'text'? choose it with --prompt-field/--response-field NAME",
+        ),
+        (
             ["build", "{parquet}", "-o", "{tmp}/o", "--tokenizer", "{tok}"],
-            "no column 'text' (have ['body'])",
+            "no field 'text' (have ['body']); choose it with --text-field NAME",
         ),
         (
             ["build", "{cut_parquet}", "-o", "{tmp}/o", "--tokenizer", "{tok}"],

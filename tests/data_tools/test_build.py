@@ -204,3 +204,28 @@ def test_killed_rebuild_leaves_the_previous_build_and_a_rerun_replaces_it(
         ["manifest.json", *(e.name for e in manifest.shards)]
     )
     assert not staging.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_inspect_shows_a_decoded_sample_with_its_prompt_apart(tmp_path, synth_tokenizer, capsys):
+    """Given the directory `build` printed, with no --tokenizer: the manifest's tokenizer is
+    found beside the shards (as the quick start lays them out), digit statistics are shown,
+    and the first document decoded, its prompt (not trained on) apart."""
+    from data_tools.cli import main
+
+    run = tmp_path / "run"
+    (run / "shards").mkdir(parents=True)
+    tokenizer = run / "tokenizer.model"
+    tokenizer.write_bytes(synth_tokenizer.read_bytes())
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text(json.dumps({"question": "What is 12 + 30?\n", "answer": "It is 42."}) + "\n")
+    args = ["--tokenizer", str(tokenizer), "--prompt-field", "question", "--response-field"]
+    args.append("answer")
+    assert main(["build", str(qa), "-o", str(run / "shards" / "qa"), *args, "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(run / "shards" / "qa")]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["tokenizer_file"] == str(tokenizer.resolve())
+    assert stats["digit_tokens"] == 6  # 1 2 3 0 4 2
+    assert stats["samples"] == [
+        {"prompt (not trained on)": "What is 12 + 30?\n", "trained": "It is 42."}
+    ]

@@ -23,3 +23,10 @@ def test_matches_reference_with_megatron_group(tp):
 def test_explicit_group_without_megatron_state():
     output = run_torchrun("tp_loss.py", 2, "explicit-group")
     assert "OK 312 cases on 2 ranks" in output
+
+
+def test_a_rank_with_no_real_column():
+    """Vocabulary 20 padded to 48 at TP 2 (as 100 padded to 256 in the README's example):
+    rank 1 owns padding only; the unfused and the fused op still match the reference."""
+    output = run_torchrun("tp_empty_shard.py", 2)
+    assert "OK 16 cases, rank 1 owning no real column" in output

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from del_megatron.cli.eval import main
+from del_megatron.errors import UserError
 from del_megatron.evaluation.report import read_curve
 
 NO_MODEL = "/nonexistent/model"
@@ -87,3 +88,38 @@ def test_a_metrics_line_cut_by_a_kill_is_left_out(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "ce": 2.0}\n{"event": "resume"}\n{"step": 2, "ce": 1.')
     assert read_curve(path) == [(1, 2.0)]
+
+
+def test_help_names_compare(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "del-eval compare RESULT_DIR" in capsys.readouterr().out
+
+
+def test_windows_fit_the_model_and_are_shown(capsys, tmp_path):
+    """--seq-len past the model's positions is refused before it loads; the table names the
+    window length; compare notes results measured on different windows."""
+    from del_megatron.cli.eval import fitting_prompts, window_length
+    from del_megatron.evaluation.report import markdown_table
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 256}')
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    line = fails(capsys, model, "--gsm8k", one, "--shots", "0", "--seq-len", "1024")
+    assert line == (
+        "del-eval: error: --seq-len 1024 exceeds the model's max_position_embeddings=256: "
+        "choose --seq-len 256 or less"
+    )
+    assert window_length(None, 256) == 256 and window_length(None, 32768) == 2048
+    with pytest.raises(UserError, match="use fewer --shots or a smaller --max-new-tokens"):
+        fitting_prompts([400, 530], 256, 4, 256)  # 4 shots on the tiny model: nothing fits
+    assert fitting_prompts([40, 200, 230], 56, 0, 256) == [0, 1]
+    assert "| windows (tokens) | 256 |" in markdown_table({"numeric": {"seq_len": 256}})
+    a = write_results(tmp_path / "a", {"loss": 1.0, "seq_len": 128})
+    b = write_results(tmp_path / "b", {"loss": 1.1, "seq_len": 256})
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "c")]) == 0
+    note = "note: the teacher-forced metrics come from windows of different lengths (a 128, b 256"
+    assert note in capsys.readouterr().out
+    assert note in (tmp_path / "c" / "comparison.md").read_text()

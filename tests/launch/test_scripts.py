@@ -105,16 +105,19 @@ def torchrun_sh(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+def tiny_run(tmp_path: Path, tokenizer: Path, manifest: Path) -> list[str]:
+    """configs/tiny_cpu.yaml's overrides for the session's synthetic data."""
+    return [
+        "configs/tiny_cpu.yaml",
+        f"data.tokenizer={tokenizer}",
+        f"data.sources=[{{manifest: {manifest}}}]",
+        "eval.sources=[]",
+        "logging.wandb=disabled",
+        f"output_dir={tmp_path / 'run'}",
+    ]
+
+
 def test_torchrun_sh_arguments():
-    proc = torchrun_sh(
-        "--dry-run", "--nproc-per-node", "2", "configs/tiny_cpu.yaml", "train.steps=3"
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "--standalone --nproc-per-node=2" in proc.stdout
-    assert (
-        "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume auto train.steps=3"
-        in (proc.stdout)
-    )
     for args, message in (
         (["--nproc-per-node", "0", "configs/tiny_cpu.yaml"], "must be a positive integer"),
         (["configs/nowhere.yaml"], "config file not found: configs/nowhere.yaml"),
@@ -123,6 +126,65 @@ def test_torchrun_sh_arguments():
     ):
         proc = torchrun_sh(*args)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+
+
+def test_torchrun_sh_dry_run_checks_the_run_for_its_process_count(
+    tmp_path, synth_tokenizer, synth_shards
+):
+    """--dry-run is del-train's dry run for N ranks, then the command; without GPUs the
+    process count it picks (1) is said, and a TP 2 config is refused for it in one line."""
+    run = tiny_run(tmp_path, synth_tokenizer, synth_shards)
+    proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", *run, "train.steps=3")
+    assert proc.returncode == 0, proc.stderr
+    assert '"world_size": 2, "tensor_parallel": 2' in proc.stdout  # the layout for 2 ranks
+    command = proc.stdout.split("# command: ", 1)[1]
+    assert "--standalone --nproc-per-node=2" in command
+    assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume auto" in command
+    proc = torchrun_sh("--dry-run", *run, PATH="/usr/bin:/bin")  # no nvidia-smi: no GPU
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "torchrun.sh: no GPU found: 1 process (--nproc-per-node N to choose)",
+        "del-train: error: world size 1 is not a multiple of parallel.tensor_parallel=2 "
+        "(world size = tensor parallel x data parallel)",
+    ]
+
+
+def test_torchrun_sh_a_mistake_is_one_line_and_status_2(tmp_path, synth_tokenizer, synth_shards):
+    """A typo in an override: its one line, last, status 2; no torchrun report (the checks
+    run once before torchrun starts the ranks), nothing written."""
+    run = tiny_run(tmp_path, synth_tokenizer, synth_shards)
+    proc = torchrun_sh("--nproc-per-node", "2", *run, "optim.lrr=1")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        "del-train: error: optim.lrr: unknown field; did you mean optim.lr?"
+    )
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_torchrun_sh_ends_with_a_ranks_mistake_and_status_2(tmp_path):
+    """A mistake a rank meets after the checks (a damaged record mid-run): torchrun reports
+    its failure as status 1 in many lines; the script ends with the rank's line and 2. A
+    stand-in interpreter plays del-train and torchrun, so no ranks start."""
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/usr/bin/env bash\n"
+        'case " $* " in\n'
+        '  *" --help "*) exit 0 ;;\n'  # torchrun's --help, read for its options
+        '  *" --check "*) echo "del-train: checks passed"; exit 0 ;;\n'
+        "esac\n"
+        'echo "del-train: error: data.sources: shard-00003.tar: damaged at byte 7" >&2\n'
+        'printf "%s\\n" "del-train: error: data.sources: shard-00003.tar: damaged at byte 7" '
+        '> "$DEL_USER_ERROR_DIR/rank-1"\n'
+        'for i in $(seq 40); do echo "torchrun report line $i" >&2; done\n'
+        "exit 1\n"
+    )
+    python.chmod(0o755)
+    proc = torchrun_sh("--nproc-per-node", "2", "configs/tiny_cpu.yaml", DEL_PYTHON=str(python))
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last == "del-train: error: data.sources: shard-00003.tar: damaged at byte 7"
+    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("del-train-errors.*/rank-1"))
 
 
 @pytest.mark.slow
@@ -149,7 +211,7 @@ def test_torchrun_sh_sigterm_saves_and_exits_stopped(tmp_path, synth_tokenizer, 
         text=True,
     )
     metrics = out / "metrics.jsonl"
-    deadline = time.time() + 300
+    deadline = time.time() + 600  # a guard against a hang; the launcher checks the run first
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
         assert time.time() < deadline and proc.poll() is None, proc.stderr
         time.sleep(0.05)
@@ -161,3 +223,53 @@ def test_torchrun_sh_sigterm_saves_and_exits_stopped(tmp_path, synth_tokenizer, 
     assert len(saved) == 1
     step = json.loads((saved[0] / "meta.json").read_text())["step"]
     assert f"checkpoint of step {step} saved" in stdout
+
+
+def sbatch_dry_run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """launch/slurm/train.sbatch run as a script outside any allocation (no SLURM_*)."""
+    environment = {k: v for k, v in torchrun_env().items() if not k.startswith("SLURM_")}
+    environment.update(DEL_DRY_RUN="1", DEL_LOG_DIR=str(tmp_path / "logs"), **env)
+    return subprocess.run(
+        ["bash", "launch/slurm/train.sbatch", *args],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_sbatch_dry_run_needs_no_allocation_and_writes_nothing(
+    tmp_path, synth_tokenizer, synth_shards
+):
+    proc = sbatch_dry_run(tmp_path, "configs/tiny_cpu.yaml", "train.steps=5")
+    assert proc.returncode == 0, proc.stderr
+    command = proc.stdout.split("# command: ", 1)[1]
+    assert command.startswith("srun --kill-on-bad-exit=0 --wait=120 --label ")
+    assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume auto" in command
+    assert "with WORLD_SIZE=N (the job's ranks) this dry run also runs del-train's" in proc.stdout
+    assert not (tmp_path / "logs").exists()
+    # with the job's ranks: del-train's dry run for them, and its one line for a mistake
+    run = tiny_run(tmp_path, synth_tokenizer, synth_shards)
+    proc = sbatch_dry_run(tmp_path, *run, WORLD_SIZE="4")
+    assert proc.returncode == 0, proc.stderr
+    assert '"world_size": 4, "tensor_parallel": 2, "data_parallel": 2' in proc.stdout
+    proc = sbatch_dry_run(tmp_path, *run, "optim.lrr=1", WORLD_SIZE="4")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        "del-train: error: optim.lrr: unknown field; did you mean optim.lr?"
+    )
+    assert not (tmp_path / "logs").exists()
+    assert "logs/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_no_launch_script_fixes_a_port():
+    """Two runs on one machine must not meet on a fixed rendezvous port: torchrun picks a
+    free one with --standalone; SLURM jobs take theirs from the job id."""
+    scripts = [*ROOT.glob("launch/*.sh"), *ROOT.glob("launch/experiments/*.sh")]
+    for script in scripts:
+        text = script.read_text()
+        assert "master_port" not in text and "MASTER_PORT" not in text, script
+    sbatch = (ROOT / "launch" / "slurm" / "train.sbatch").read_text()
+    assert "MASTER_PORT=${MASTER_PORT:-$((20000 + job % 20000))}" in sbatch

@@ -200,10 +200,15 @@ def round_trip(tmp_path, variant: str, *export_args: str):
     return model, transformers
 
 
-def test_export_writes_the_original_model_type_and_training_dtype(tmp_path):
+def test_export_writes_the_original_model_type_and_training_dtype(tmp_path, capsys):
     model, transformers = round_trip(tmp_path, "qwen2-tied")
     out = tmp_path / "back"
+    capsys.readouterr()
     assert convert(["megatron-to-hf", "--checkpoint", str(tmp_path / "m"), "--out", str(out)]) == 0
+    said = capsys.readouterr()
+    lines = said.out.splitlines()
+    assert lines[0] == f"del-convert: exporting {tmp_path / 'm'} to {out}"  # before the work
+    assert lines[-1].startswith(f"next: transformers.AutoModelForCausalLM.from_pretrained('{out}')")
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen2" and config["tie_word_embeddings"] is True
     back = transformers.AutoModelForCausalLM.from_pretrained(out)

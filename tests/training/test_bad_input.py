@@ -93,6 +93,12 @@ def damage(case: str, tmp: Path, shards: Path, fingerprint: str, tree: dict) -> 
             (path / "model" / "arch.json").write_text(json.dumps({**arch, "hidden_size": 256}))
         elif case == "checkpoint missing rng":
             (path / "rng" / "rank00001.pt").unlink()
+        elif case in ("checkpoint of two sources", "checkpoint of another worker count"):
+            # as the quick start with --gsm8k leaves it: two sources, one worker
+            state = {"version": 1, "dp_size": 1, "dp_rank": 0, "consumed": 8}
+            state["num_workers"] = 1 if case == "checkpoint of two sources" else 2
+            state["workers"] = {"0": {"readers": [{}, {}] if "two" in case else [{}]}}
+            (path / "data_state.json").write_text(json.dumps([state, state]))
         elif case == "checkpoint of another tokenizer":
             meta = json.loads((path / "meta.json").read_text())
             (path / "meta.json").write_text(json.dumps({**meta, "tokenizer": "vocab-other"}))
@@ -133,11 +139,22 @@ CASES = [
     ("checkpoint missing rng", [], "rank00001.pt: missing"),
     ("checkpoint of another tokenizer", [], "saved with another tokenizer"),
     (
+        "checkpoint of two sources",
+        [],
+        "its data-loader state has 2 sources and data.sources has 1: resume with the "
+        "data.sources it was saved with",
+    ),
+    (
+        "checkpoint of another worker count",
+        [],
+        "saved with data.num_workers=2, this run has 1: resume with data.num_workers=2",
+    ),
+    (
         "checkpoint over a fresh start",
         [],
         "holds checkpoints of an earlier run (newest step-0000004)",
     ),
-    ("init.hf missing", [], "huggingface-cli download org/model --local-dir models/nowhere"),
+    ("init.hf missing", [], "hf download org/model --local-dir models/nowhere"),
     ("init.hf broken config", [], "config.json: not JSON"),
     ("empty tokenizer file", [], "data.tokenizer:"),
     (
@@ -175,3 +192,17 @@ def test_option_mistakes(argv, expected, setup, capsys):
         main(["--config", str(config), *argv])
     assert exit_.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_a_mistake_is_left_for_the_launcher(setup, capsys, monkeypatch, tmp_path):
+    """Under launch/torchrun.sh (DEL_USER_ERROR_DIR set) the rank's one line is also left in
+    that directory, for the script to end with it and status 2."""
+    _, config, *_ = setup
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    monkeypatch.setenv("DEL_USER_ERROR_DIR", str(errors))
+    monkeypatch.setenv("RANK", "1")
+    assert main(["--config", str(config), "optim.lrr=1"]) == 2
+    line = capsys.readouterr().err
+    assert [p.name for p in errors.iterdir()] == ["rank-1"]
+    assert (errors / "rank-1").read_text() == line

@@ -52,7 +52,7 @@ def test_dry_run_of_each_7b_config_at_32_gpus_prints_the_plan(name, capsys, monk
     # the weights are not downloaded here: one line says where from
     cfg = load_run_config(ROOT / "configs" / f"{name}.yaml")
     assert code == 2
-    assert f"huggingface-cli download {cfg.init.hf_hub_id} --local-dir {cfg.init.hf}" in err
+    assert f"hf download {cfg.init.hf_hub_id} --local-dir {cfg.init.hf}" in err
 
 
 def test_a_plan_that_does_not_fit_names_the_knob(capsys, monkeypatch):
@@ -84,3 +84,13 @@ def test_counts_and_parts_add_up():
     parts = {k: v for k, v in plan.per_gpu.items() if k != "total"}
     assert sum(parts.values()) == plan.per_gpu["total"]
     assert plan.device_bytes == 80 * GIB and plan.fits
+
+
+def test_the_tiny_configs_size_in_words_is_the_plans():
+    """configs/tiny_cpu.yaml names its size in its first line; the plan counts it."""
+    import re
+
+    text = (ROOT / "configs" / "tiny_cpu.yaml").read_text()
+    said = float(re.search(r"~([\d.]+)M-parameter", text).group(1))
+    counted = count_parameters(load_run_config(ROOT / "configs" / "tiny_cpu.yaml", []).model, 2)
+    assert said == round(counted.unpadded / 1e6, 1)

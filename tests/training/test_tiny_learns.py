@@ -40,14 +40,29 @@ def test_shortened_tiny_run_learns(tmp_path, synth_corpus, synth_tokenizer, synt
     table = {
         m[0]: (float(m[1]), float(m[2]))
         for m in re.findall(
-            r"^(held-out loss|digit accuracy|digit entropy)\s+(\S+)\s+(\S+)$", out, flags=re.M
+            r"^(held-out CE|held-out loss \(CE \+ 0\.1·del\)|digit accuracy|digit entropy)"
+            r"\s+(\S+)\s+(\S+)$",
+            out,
+            flags=re.M,
         )
     }
-    assert set(table) == {"held-out loss", "digit accuracy", "digit entropy"}, out[-3000:]
-    loss_before, loss_after = table["held-out loss"]
+    expected = {"held-out CE", "held-out loss (CE + 0.1·del)", "digit accuracy", "digit entropy"}
+    assert set(table) == expected, out[-3000:]
+    loss_before, loss_after = table["held-out loss (CE + 0.1·del)"]
     acc_before, acc_after = table["digit accuracy"]
     assert loss_before - loss_after >= MIN_LOSS_DROP, table
     assert acc_after - acc_before >= MIN_DIGIT_ACC_GAIN, table
+    # never silent for long: each slow part is announced, in order, before the first step line
+    said = [
+        "del-train: building the model and DeepSpeed (ZeRO 1) on 2 rank(s)",
+        "del-train: held-out evaluation before training (20 batches at most)",
+        f"del-train: training steps 1-{STEPS}, a line every 20",
+        f"step 20/{STEPS}",
+        "del-train: held-out evaluation after training",
+        "next:",
+    ]
+    places = [out.find(line) for line in said]
+    assert -1 not in places and places == sorted(places), list(zip(said, places, strict=True))
     # console lines, a checkpoint, and an offline wandb run
     assert re.search(r"step 80/80 \| loss \S+ \| ce \S+ \| numeric \S+ \| digit_acc", out)
     assert (tmp_path / "run" / "checkpoints" / f"step-{STEPS:07d}" / "run_config.yaml").is_file()

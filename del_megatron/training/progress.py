@@ -1,0 +1,32 @@
+"""What a run is doing, said before each part that can take more than a few seconds (the
+model and optimizer, a checkpoint to load, a held-out evaluation, the first steps), so that
+the console is never silent for long. Rank 0 of the launch says it, once, and flushes: under
+torchrun and srun the line must not wait in a pipe buffer."""
+
+from __future__ import annotations
+
+import os
+
+from ..config import RunConfig
+
+
+def say(message: str) -> None:
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(f"del-train: {message}", flush=True)
+
+
+def building(cfg: RunConfig, world: int) -> None:
+    tp = cfg.parallel.tensor_parallel
+    say(
+        f"building the model and DeepSpeed (ZeRO {cfg.parallel.zero_stage}) on {world} "
+        f"rank(s), tensor parallel {tp} x data parallel {world // tp}"
+    )
+
+
+def held_out(cfg: RunConfig, when: str) -> None:
+    if cfg.eval.sources:
+        say(f"held-out evaluation {when} ({cfg.eval.max_batches} batches at most)")
+
+
+def steps(cfg: RunConfig, start: int) -> None:
+    say(f"training steps {start + 1}-{cfg.train.steps}, a line every {cfg.train.log_interval}")
