@@ -386,15 +386,16 @@ def _handover(hidden, weight, grad_hidden, weight_grad, factor):
 
 
 def _weight_gradient(weight: torch.Tensor, summed: torch.Tensor) -> torch.Tensor:
-    """What autograd is handed for the weight, given the summed gradient `summed` (compute
-    dtype). In the weight's dtype it is returned as is: AccumulateGrad takes it as `.grad`
-    when there is none (DeepSpeed ZeRO 2/3 free `.grad` after each reduction) or adds it in
-    place. A float32 sum for a half weight would make autograd cast it, a weight-sized tensor
-    in the half dtype beside the float32 one; so when the weight is a leaf holding a `.grad`
-    (ZeRO 1 accumulating micro-batches), the float32 sum is added into it in row blocks and
+    """What autograd is handed for the weight, given the summed gradient `summed` [V/tp, h]
+    (compute dtype). In the weight's dtype it is returned as is: AccumulateGrad takes it as
+    `.grad` when there is none (DeepSpeed ZeRO 2/3 free `.grad` after each reduction) or adds
+    it in place (ZeRO 1 accumulating micro-batches). A float32 sum for a half weight would
+    make autograd cast it, a weight-sized tensor in the half dtype beside the float32 one; so
+    when the weight is a leaf holding a `.grad`, the sum is added into it in row blocks and
     autograd gets a zero that costs no memory (stride 0), which AccumulateGrad adds; its
-    hooks (DeepSpeed's reduction) read the summed `.grad` as usual. Hooks on the weight
-    tensor itself (`register_hook`) see the zero in that case. Otherwise one cast."""
+    post-accumulate hooks (DeepSpeed's reduction) read the summed `.grad` as usual. The same
+    zero when the recomputing backward summed into a float32 `.grad` itself. Hooks on the
+    weight tensor (`register_hook`) see the zero in those cases. Otherwise one cast."""
     existing = _existing_grad(weight)
     zero = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
     if summed is existing:  # the recomputing path summed into it already
