@@ -50,7 +50,6 @@ class TokenWeights:
     [s, b] order (N rows): known from the targets before any logit exists."""
 
     valid: torch.Tensor  # [N] compute dtype, 1 where the token counts
-    digit: torch.Tensor  # [N] bool, digit-class positions
     classes: torch.Tensor  # [N] long, their target class (0 elsewhere)
     weight: torch.Tensor  # [N] u * alpha * tokens / numeric count at digit positions, else 0
 
@@ -62,7 +61,6 @@ def token_weights(prepared: Prepared, cfg: NumericLossConfig, dtype: torch.dtype
     valid = targets.valid.view(batch, seq).t().reshape(-1).to(dtype)
     rows_sb = (targets.rows % seq) * batch + targets.rows // seq
     count = valid.numel()
-    digit = torch.zeros(count, dtype=torch.bool, device=valid.device)
     classes = torch.zeros(count, dtype=torch.long, device=valid.device)
     weight = torch.zeros(count, dtype=dtype, device=valid.device)
     if cfg.kind in DIGIT_KINDS and rows_sb.numel():
@@ -73,10 +71,9 @@ def token_weights(prepared: Prepared, cfg: NumericLossConfig, dtype: torch.dtype
             else tokens
         )
         scale = cfg.resolved_alpha * tokens.clamp_min(1) / numeric_count.clamp_min(1)
-        digit[rows_sb] = True
         classes[rows_sb] = targets.classes
         weight[rows_sb] = targets.weights.to(dtype) * scale
-    return TokenWeights(valid, digit, classes, weight)
+    return TokenWeights(valid, classes, weight)
 
 
 def predicted_gradients(
@@ -88,12 +85,13 @@ def predicted_gradients(
     if cfg.kind == "mixce":  # the weight eta + (1 - eta) sg(exp(-CE)) of each token
         grad_ce = (cfg.mixce_eta + (1 - cfg.mixce_eta) * torch.exp(-ce)) * rows.valid
     grad_class = torch.zeros_like(class_logits)
-    if cfg.kind in DIGIT_KINDS and bool(rows.digit.any()):
+    if cfg.kind in DIGIT_KINDS:
+        # every row of the chunk, weighted by 0 off the digit positions: [c, K] is small, and
+        # selecting the digit rows would wait for the device on every chunk
         with torch.enable_grad():
-            z = class_logits[rows.digit].detach().requires_grad_()
-            term = numeric_term(z, rows.classes[rows.digit], cfg) * rows.weight[rows.digit]
-            (grad_digits,) = torch.autograd.grad(term.sum(), z)
-        grad_class[rows.digit] = grad_digits
+            z = class_logits.detach().requires_grad_()
+            term = numeric_term(z, rows.classes, cfg) * rows.weight
+            (grad_class,) = torch.autograd.grad(term.sum(), z)
     return grad_ce, grad_class
 
 
@@ -313,7 +311,7 @@ class _FusedParts(torch.autograd.Function):
 
 
 def _rows(weights: TokenWeights, c: slice) -> TokenWeights:
-    return TokenWeights(weights.valid[c], weights.digit[c], weights.classes[c], weights.weight[c])
+    return TokenWeights(weights.valid[c], weights.classes[c], weights.weight[c])
 
 
 def _recomputed(ctx, grad_ce, grad_class, grad_emo, want_hidden, want_weight, accumulator):
