@@ -113,14 +113,15 @@ def common_factor(got: list[torch.Tensor], predicted: list[torch.Tensor]) -> flo
 
 def addmm_out_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch accepts `torch.addmm(acc, a, b, out_dtype=float32, out=acc)` with
-    half operands on this device (CUDA builds do; CPU 2.13 does not). A 1x1 product."""
-    acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
+    half operands on this device (CUDA builds do; CPU 2.13 does not), and sums into `acc`:
+    1 + 1 x 1 must give 2. A 1x1 product."""
+    acc = torch.ones(1, 1, dtype=torch.float32, device=device)
     one = torch.ones(1, 1, dtype=dtype, device=device)
     try:
         torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
     except (NotImplementedError, RuntimeError, TypeError):
         return False
-    return bool(acc.item() == 1.0)
+    return bool(acc.item() == 2.0)
 
 
 def accumulate_weight_grad_(
