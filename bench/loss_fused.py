@@ -284,11 +284,15 @@ def main() -> None:
         print(line)
     for path in ("fused", "fused-recompute"):
         if path in times:
+            # "fused / megatron: time Tx, peak memory Mx" is what bench/gpu_acceptance.py reads
             line = f"{path} / megatron: time {times[path] / times['megatron']:.3f}x"
-            for setting in settings:
-                if path in memory[setting] and memory[setting].get("megatron"):
-                    ratio = memory[setting][path] / memory[setting]["megatron"]
-                    line += f", peak ({setting} .grad) {ratio:.3f}x"
+            ratios = [
+                f"{memory[s][path] / memory[s]['megatron']:.3f}x (.grad {s})"
+                for s in settings
+                if path in memory[s] and memory[s].get("megatron")
+            ]
+            if ratios:
+                line += ", peak memory " + ", ".join(ratios)
             print(line)
     for chunk in filter(None, args.chunks.split(",")):
         t = launch(args, "time", chunk=int(chunk), paths="megatron,fused")
