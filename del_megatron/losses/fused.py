@@ -1,33 +1,40 @@
 """The output layer fused with the numeric losses on vocabulary shards, in token chunks: no
-[tokens, V/tp] logits tensor outlives a chunk.
+[tokens, V/tp] logits tensor outlives a chunk, and the gradient is formed in forward.
 
-Forward, per chunk of `chunk_tokens` rows: logits = hidden @ W_shard^T (in the inputs' dtype,
-as megatron's output layer makes them), upcast once, then this rank's row maximum, the sum
-of exponentials relative to it, the target logit and the digit-class member logits it owns
-(and EMO's expected embedding). After the last chunk the same two collectives as
-`vocab_parallel_numeric_loss`: an all-reduce MAX of the row maxima, then one packed
-all-reduce SUM in which each rank's sum of exponentials is rescaled to the global maximum
-(the log-sum-exp of two partial softmaxes, as in online softmax). Only per-token statistics
-are kept.
+Per chunk of `chunk_tokens` rows: logits = hidden @ W_shard^T (in the inputs' dtype, as
+megatron's output layer makes them), upcast once; this rank's row maximum and the raw target
+and digit-class member logits it owns; an all-reduce MAX of the row maxima, then exp(z - M)
+in place and one packed all-reduce SUM (sum of exponentials, target logit, member logits,
+EMO's expected and target embeddings): the bytes per token of `vocab_parallel_numeric_loss`,
+in one MAX and one SUM per chunk. Then, while the chunk's exp buffer is alive, it becomes the
+chunk's logit gradient (`logit_gradient_`, shared with the unfused op) for the incoming
+gradient predicted from the loss' per-token weights, and the input's gradient and the weight
+gradient (float32 for half weights) are accumulated: three products in all, as megatron's
+output layer + CE.
 
-Backward, per chunk: the logits are recomputed, the gradient of that chunk's logits is formed
-from the saved statistics exactly as the unfused op forms it, and gradients of `hidden` (this
-rank's partial sum over its vocabulary shard, as for `hidden @ W_shard^T`) and of `W_shard`
-are accumulated. No collective in backward; in a model the output layer's all-reduce of the
-input gradient across tensor-parallel ranks comes from megatron's
-`copy_to_tensor_model_parallel_region`, as for its own output layer.
+Backward scales both by the incoming gradient when it is a multiple of the prediction (as it
+is for `loss`, `per_token.sum()` and any 0/1-masked sum of per_token, times any constant).
+Otherwise (another per-token weighting, EMO, whose weight is a ratio of sums over the whole
+micro-batch, or `recompute=True`) backward recomputes each chunk's logits and forms the
+gradient from the saved statistics, as before. No collective in backward; in a model the
+output layer's all-reduce of the input gradient across tensor-parallel ranks comes from
+megatron's `copy_to_tensor_model_parallel_region`, as for its own output layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .. import collectives
 from .assemble import NumericLossOutput, compute_dtype
-from .config import NumericLossConfig
+from .config import DIGIT_KINDS, NumericLossConfig
+from .terms import numeric_term
 from .vocab import DigitVocab
 from .vocab_parallel import (
+    Prepared,
     finish_vocab_parallel,
     local_ids,
     logit_gradient_,
@@ -36,6 +43,107 @@ from .vocab_parallel import (
 )
 
 DEFAULT_CHUNK_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """What the gradient of `per_token.sum()` with respect to the parts depends on, per row in
+    [s, b] order (N rows): known from the targets before any logit exists."""
+
+    valid: torch.Tensor  # [N] compute dtype, 1 where the token counts
+    classes: torch.Tensor  # [N] long, their target class (0 elsewhere)
+    weight: torch.Tensor  # [N] u * alpha * tokens / numeric count at digit positions, else 0
+
+
+def token_weights(prepared: Prepared, cfg: NumericLossConfig, dtype: torch.dtype) -> TokenWeights:
+    """The per-token factors of `assemble`'s per_token (docs/losses.md), rows in [s, b] order.
+    Only a prediction: backward checks the incoming gradient against it."""
+    targets, seq, batch = prepared.targets, prepared.seq, prepared.batch
+    valid = targets.valid.view(batch, seq).t().reshape(-1).to(dtype)
+    rows_sb = (targets.rows % seq) * batch + targets.rows // seq
+    count = valid.numel()
+    classes = torch.zeros(count, dtype=torch.long, device=valid.device)
+    weight = torch.zeros(count, dtype=dtype, device=valid.device)
+    if cfg.kind in DIGIT_KINDS and rows_sb.numel():
+        tokens = targets.valid.sum().to(dtype)
+        numeric_count = (
+            torch.tensor(float(rows_sb.numel()), dtype=dtype, device=valid.device)
+            if cfg.normalize == "digits"
+            else tokens
+        )
+        scale = cfg.resolved_alpha * tokens.clamp_min(1) / numeric_count.clamp_min(1)
+        classes[rows_sb] = targets.classes
+        weight[rows_sb] = targets.weights.to(dtype) * scale
+    return TokenWeights(valid, classes, weight)
+
+
+def predicted_gradients(
+    ce: torch.Tensor, class_logits: torch.Tensor, rows: TokenWeights, cfg: NumericLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """d per_token.sum() / d (ce [c], class logits [c, K]) of a chunk's rows (`rows` sliced
+    to them): the incoming gradient of `loss`, up to one constant factor."""
+    grad_ce = rows.valid
+    if cfg.kind == "mixce":  # the weight eta + (1 - eta) sg(exp(-CE)) of each token
+        grad_ce = (cfg.mixce_eta + (1 - cfg.mixce_eta) * torch.exp(-ce)) * rows.valid
+    grad_class = torch.zeros_like(class_logits)
+    if cfg.kind in DIGIT_KINDS:
+        # every row of the chunk, weighted by 0 off the digit positions: [c, K] is small, and
+        # selecting the digit rows would wait for the device on every chunk
+        with torch.enable_grad():
+            z = class_logits.detach().requires_grad_()
+            term = numeric_term(z, rows.classes, cfg) * rows.weight
+            (grad_class,) = torch.autograd.grad(term.sum(), z)
+    return grad_ce, grad_class
+
+
+def common_factor(got: list[torch.Tensor], predicted: list[torch.Tensor]) -> float | None:
+    """s with got == s * predicted, elementwise within 256 eps of the largest incoming value
+    (the rounding of the two ways of forming it), or None when there is no such s."""
+    got_flat = torch.cat([g.reshape(-1) for g in got]).double()
+    pred_flat = torch.cat([p.reshape(-1) for p in predicted]).double()
+    norm = float(pred_flat.square().sum())
+    largest = float(got_flat.abs().max()) if got_flat.numel() else 0.0
+    if norm == 0.0:
+        return 0.0 if largest == 0.0 else None
+    scale = float(got_flat.dot(pred_flat)) / norm
+    eps = torch.finfo(got[0].dtype).eps
+    if float((got_flat - scale * pred_flat).abs().max()) > 256 * eps * largest:
+        return None
+    return scale
+
+
+def addmm_out_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch accepts `torch.addmm(acc, a, b, out_dtype=float32, out=acc)` with
+    half operands on this device (CUDA builds do; CPU 2.13 does not), and sums into `acc`:
+    1 + 1 x 1 must give 2. A 1x1 product."""
+    acc = torch.ones(1, 1, dtype=torch.float32, device=device)
+    one = torch.ones(1, 1, dtype=dtype, device=device)
+    try:
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
+    return bool(acc.item() == 2.0)
+
+
+def accumulate_weight_grad_(
+    accumulator: torch.Tensor,
+    grad: torch.Tensor,
+    grad_low: torch.Tensor,
+    hidden: torch.Tensor,
+    out_dtype: bool,
+) -> None:
+    """accumulator [V_owned, h] += grad^T [V_owned, c] @ hidden [c, h], in place.
+
+    grad: the chunk's logit gradient in the compute dtype; grad_low: the same in the inputs'
+    dtype. Half inputs are summed in float32 without a product in their dtype: through
+    `addmm(out_dtype=float32)` when `out_dtype` (the probe said so), else in float32 from the
+    float32 gradient and an upcast copy of the chunk's hidden rows (both chunk-sized)."""
+    if accumulator.dtype == grad_low.dtype:
+        accumulator.addmm_(grad_low.T, hidden)
+    elif out_dtype:
+        torch.addmm(accumulator, grad_low.T, hidden, out_dtype=torch.float32, out=accumulator)
+    else:
+        accumulator.addmm_(grad.T, hidden.to(accumulator.dtype))
 
 
 class _FusedParts(torch.autograd.Function):
@@ -55,7 +163,10 @@ class _FusedParts(torch.autograd.Function):
         group,
         cost,
         chunk,
+        plan,
     ):
+        """plan: (TokenWeights, cfg, which gradients to form in forward: (hidden, weight))
+        or None to form none (recompute in backward, or no backward at all)."""
         dtype = compute_dtype(hidden.dtype)
         rows = hidden.shape[0]
         local_columns = weight.shape[0]
@@ -67,59 +178,94 @@ class _FusedParts(torch.autograd.Function):
         members_width = member_ids.numel()
         base = 2 + members_width  # where EMO's two embeddings start in the packed row
         local_cost = cost[:owned].to(dtype) if cost is not None else None
+        h_emb = local_cost.shape[1] if local_cost is not None else 0
 
         w = weight[:owned]
         row_max = torch.full((rows,), float("-inf"), dtype=dtype, device=device)
-        h_emb = local_cost.shape[1] if local_cost is not None else 0
         # per token: sum of exponentials, target logit, member logits, [EMO: expected and
-        # target embeddings]; summed over ranks in one all-reduce
+        # target embeddings]; summed over ranks, one chunk's rows at a time
         packed = torch.zeros(rows, base + 2 * h_emb, dtype=dtype, device=device)
-        if owned:
-            for start in range(0, rows, chunk):
-                stop = min(start + chunk, rows)
-                z = (hidden[start:stop] @ w.T).to(dtype)  # [c, owned], the chunk's logits
-                part = packed[start:stop]
+        ce = torch.empty(rows, dtype=dtype, device=device)
+        class_logits = torch.empty(rows, *member_valid.shape[:1], dtype=dtype, device=device)
+        member_share = torch.empty(rows, *member_valid.shape, dtype=dtype, device=device)
+        target_is_max = torch.empty(rows, dtype=torch.bool, device=device)
+        emo = torch.zeros(rows if cost is not None else 0, dtype=dtype, device=device)
+
+        grad_hidden = weight_grad = predicted = None
+        if plan is not None:
+            weights, cfg, (form_hidden, form_weight) = plan
+            predicted = (
+                torch.zeros(rows, dtype=dtype, device=device),
+                torch.zeros_like(class_logits),
+            )
+            if form_hidden:
+                grad_hidden = torch.zeros(rows, hidden.shape[1], dtype=dtype, device=device)
+            if form_weight:
+                weight_grad = torch.zeros(weight.shape, dtype=dtype, device=device)
+                out_dtype = dtype != hidden.dtype and addmm_out_dtype_supported(
+                    device, hidden.dtype
+                )
+
+        for start in range(0, rows, chunk):
+            c = slice(start, min(start + chunk, rows))
+            part = packed[c]
+            if owned:
+                z = (hidden[c] @ w.T).to(dtype)  # [c, owned], the chunk's logits
                 # the raw target and member logits first (exact, however far below the max)
-                target_logit = z.gather(1, local_target[start:stop].unsqueeze(1)).squeeze(1)
-                part[:, 1] = torch.where(owns_target[start:stop], target_logit, 0.0)
+                target_logit = z.gather(1, local_target[c].unsqueeze(1)).squeeze(1)
+                part[:, 1] = torch.where(owns_target[c], target_logit, 0.0)
                 members = z.index_select(1, local_member)
-                part[:, 2 : 2 + members_width] = torch.where(owns_member, members, 0.0)
-                m = z.amax(dim=-1)
-                row_max[start:stop] = m
-                exp = z.sub_(m.unsqueeze(1)).exp_()  # z is the chunk's own buffer
+                part[:, 2:base] = torch.where(owns_member, members, 0.0)
+                row_max[c] = z.amax(dim=-1)
+            collectives.all_reduce(row_max[c], op=dist.ReduceOp.MAX, group=group)
+            if owned:
+                exp = z.sub_(row_max[c].unsqueeze(1)).exp_()  # z is the chunk's own buffer
                 part[:, 0] = exp.sum(dim=-1)
                 if local_cost is not None:
                     part[:, base : base + h_emb] = exp @ local_cost
-                    part[:, base + h_emb :] = local_cost[local_target[start:stop]] * owns_target[
-                        start:stop
+                    part[:, base + h_emb :] = local_cost[local_target[c]] * owns_target[
+                        c
                     ].unsqueeze(1)
+            collectives.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+            ce[c], class_logits[c], member_share[c], target_is_max[c] = parts_from_sums(
+                part[:, 0], part[:, 1], part[:, 2:base], row_max[c], member_valid
+            )
+            if local_cost is not None:
+                expected, embedding = part[:, base : base + h_emb], part[:, base + h_emb :]
+                emo[c] = 1 - (embedding * expected).sum(-1) / part[:, 0]
+            if plan is not None:
+                grad_ce, grad_class = predicted_gradients(
+                    ce[c], class_logits[c], _rows(weights, c), cfg
+                )
+                predicted[0][c], predicted[1][c] = grad_ce, grad_class
+                if owned:
+                    member_grad = (grad_class.unsqueeze(-1) * member_share[c]).reshape(
+                        grad_class.shape[0], -1
+                    ) * owns_member
+                    grad = logit_gradient_(
+                        exp, part[:, 0], grad_ce, local_target[c], owns_target[c],
+                        member_grad, local_member,
+                    )  # fmt: skip
+                    # as the unfused op hands its gradient to the output layer's matmul
+                    grad_low = grad.to(hidden.dtype)
+                    if grad_hidden is not None:
+                        grad_hidden[c] = grad_low @ w
+                    if weight_grad is not None:
+                        accumulate_weight_grad_(
+                            weight_grad[:owned], grad, grad_low, hidden[c], out_dtype
+                        )
+                    del grad, grad_low
+            if owned:
                 del z, exp  # or this chunk's buffer outlives the next chunk's product
-        global_max = row_max.clone()
-        collectives.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        rescale = torch.exp(row_max - global_max)  # 0 where this rank owns no column
-        packed[:, 0] *= rescale
-        if local_cost is not None:
-            packed[:, base : base + h_emb] *= rescale.unsqueeze(1)
-        collectives.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
 
         sum_exp = packed[:, 0]
-        ce, class_logits, member_share, target_is_max = parts_from_sums(
-            sum_exp, packed[:, 1], packed[:, 2 : 2 + members_width], global_max, member_valid
-        )
-
-        emo = torch.zeros(0, dtype=dtype, device=device)
-        target_embedding = None
-        if local_cost is not None:
-            expected = packed[:, base : base + h_emb]
-            target_embedding = packed[:, base + h_emb :]
-            emo = 1 - (target_embedding * expected).sum(-1) / sum_exp
-            ctx.emo_cost = local_cost
-
+        target_embedding = packed[:, base + h_emb :] if local_cost is not None else None
+        ctx.emo_cost = local_cost
         ctx.mark_non_differentiable(target_is_max)
         ctx.save_for_backward(
             hidden,
             weight,
-            global_max,
+            row_max,
             sum_exp,
             local_target,
             owns_target,
@@ -130,97 +276,156 @@ class _FusedParts(torch.autograd.Function):
             target_embedding,
         )
         ctx.owned, ctx.chunk = owned, chunk
+        ctx.formed = (predicted, grad_hidden, weight_grad) if plan is not None else None
+        ctx.consumed = False
         return ce, class_logits, target_is_max, emo
 
     @staticmethod
     def backward(ctx, grad_ce, grad_class, _grad_is_max, grad_emo):
-        (
-            hidden,
-            weight,
-            global_max,
-            sum_exp,
-            local_target,
-            owns_target,
-            member_share,
-            local_member,
-            owns_member,
-            emo,
-            target_embedding,
-        ) = ctx.saved_tensors
-        owned, chunk = ctx.owned, ctx.chunk
-        dtype = compute_dtype(hidden.dtype)
-        rows = hidden.shape[0]
-        grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
-        weight_grad = _WeightGradient(weight, dtype)
-        if not owned:
-            return grad_hidden.to(hidden.dtype), weight_grad.result(), *([None] * 8)
-        w = weight[:owned]
-        accumulator = weight_grad.accumulator[:owned]
-        member_grad = (grad_class.unsqueeze(-1) * member_share).reshape(rows, -1) * owns_member
-        for start in range(0, rows, chunk):
-            stop = min(start + chunk, rows)
-            h = hidden[start:stop]
-            z = (h @ w.T).to(dtype)
-            c = slice(start, stop)
-            emo_parts = None
-            if target_embedding is not None:
-                emo_parts = (ctx.emo_cost, target_embedding[c], emo[c], grad_emo[c])
-            exp = z.sub_(global_max[c].unsqueeze(1)).exp_()  # in z's own buffer
-            grad = logit_gradient_(
-                exp,
-                sum_exp[c],
-                grad_ce[c],
-                local_target[c],
-                owns_target[c],
-                member_grad[c],
-                local_member,
-                emo_parts,
+        if ctx.consumed:
+            raise RuntimeError(
+                "vocab_parallel_fused_numeric_loss: backward ran twice through the same graph; "
+                "its gradients are formed once and handed over, so retain_graph is not supported"
             )
-            grad = grad.to(hidden.dtype)  # as the unfused op hands its gradient to the matmul
-            grad_hidden[start:stop] = grad @ w
-            if accumulator.dtype == grad.dtype:
-                accumulator.addmm_(grad.T, h)
-            else:  # half inputs: the chunk's product in their dtype, summed in float32
-                accumulator += grad.T @ h
-            del z, exp, grad  # one chunk buffer at a time
-        return grad_hidden.to(hidden.dtype), weight_grad.result(), *([None] * 8)
-
-
-class _WeightGradient:
-    """Where the chunks' weight gradients [V/tp, h] are summed.
-
-    Training holds the parameter's `.grad` between micro-batches (or DeepSpeed hands it a
-    fresh one each backward). When it is there, the chunks are summed into it (a half
-    `.grad`: summed in float32, then added once) and autograd is handed a zero that costs no
-    memory (stride 0), so no second weight-sized tensor exists; AccumulateGrad adds that
-    zero, and its hooks (DeepSpeed's reduction) read the summed `.grad` as usual. Otherwise
-    (no `.grad`, a non-leaf weight, double backward) the buffer summed into is returned, as a
-    plain autograd function would. Hooks on the weight tensor itself (`register_hook`) see
-    the zero in the first case.
-    """
-
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
-        self.weight = weight
-        existing = None
-        if weight.is_leaf and weight.requires_grad and not torch.is_grad_enabled():
-            existing = weight.grad
-        if existing is not None and (
-            existing.shape != weight.shape or existing.layout != torch.strided
-        ):
-            existing = None
-        self.existing = existing
-        if existing is not None and existing.dtype == dtype:
-            self.accumulator = existing
+        ctx.consumed = True
+        formed, ctx.formed = ctx.formed, None  # released as soon as they are handed over
+        hidden, weight = ctx.saved_tensors[:2]
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        if formed is not None:
+            predicted, grad_hidden, weight_grad = formed
+            got = [grad_ce, grad_class] + ([grad_emo] if grad_emo.numel() else [])
+            want = list(predicted) + ([torch.zeros_like(grad_emo)] if grad_emo.numel() else [])
+            factor = common_factor(got, want)
+            formed_all = (grad_hidden is not None or not want_hidden) and (
+                weight_grad is not None or not want_weight
+            )
+            if factor is not None and formed_all:
+                return _handover(hidden, weight, grad_hidden, weight_grad, factor)
+            # another weighting of the tokens: recompute, summing into the same buffer
+            accumulator = weight_grad.zero_() if weight_grad is not None else None
+            del formed, predicted, grad_hidden, weight_grad
         else:
-            self.accumulator = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+            accumulator = None
+        grad_hidden, weight_grad = _recomputed(
+            ctx, grad_ce, grad_class, grad_emo, want_hidden, want_weight, accumulator
+        )
+        return _handover(hidden, weight, grad_hidden, weight_grad, 1.0)
 
-    def result(self) -> torch.Tensor:
-        if self.existing is None:
-            return self.accumulator.to(self.weight.dtype)
-        if self.accumulator is not self.existing:
-            self.existing.add_(self.accumulator)  # the float32 sum, rounded once
-        zero = torch.zeros((), dtype=self.weight.dtype, device=self.weight.device)
-        return zero.expand(self.weight.shape)
+
+def _rows(weights: TokenWeights, c: slice) -> TokenWeights:
+    return TokenWeights(weights.valid[c], weights.classes[c], weights.weight[c])
+
+
+def _recomputed(ctx, grad_ce, grad_class, grad_emo, want_hidden, want_weight, accumulator):
+    """The gradients of hidden [N, h] and of the weight shard [V/tp, h] (compute dtype) for
+    any incoming gradient: each chunk's logits made again, its gradient formed from the
+    saved statistics as the unfused op forms it. A fourth product."""
+    (
+        hidden,
+        weight,
+        global_max,
+        sum_exp,
+        local_target,
+        owns_target,
+        member_share,
+        local_member,
+        owns_member,
+        emo,
+        target_embedding,
+    ) = ctx.saved_tensors
+    owned, chunk = ctx.owned, ctx.chunk
+    dtype = compute_dtype(hidden.dtype)
+    rows = hidden.shape[0]
+    grad_hidden = (
+        torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if want_hidden else None
+    )
+    weight_grad = None
+    if want_weight:
+        weight_grad = accumulator
+        if weight_grad is None:  # summed straight into a float32 `.grad` when there is one
+            weight_grad = _existing_grad(weight)
+            if weight_grad is None or weight_grad.dtype != dtype:
+                weight_grad = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        out_dtype = dtype != hidden.dtype and addmm_out_dtype_supported(hidden.device, hidden.dtype)
+    if not owned:
+        return grad_hidden, weight_grad
+    w = weight[:owned]
+    member_grad = (grad_class.unsqueeze(-1) * member_share).reshape(rows, -1) * owns_member
+    for start in range(0, rows, chunk):
+        c = slice(start, min(start + chunk, rows))
+        h = hidden[c]
+        z = (h @ w.T).to(dtype)
+        emo_parts = None
+        if target_embedding is not None:
+            emo_parts = (ctx.emo_cost, target_embedding[c], emo[c], grad_emo[c])
+        exp = z.sub_(global_max[c].unsqueeze(1)).exp_()  # in z's own buffer
+        grad = logit_gradient_(
+            exp, sum_exp[c], grad_ce[c], local_target[c], owns_target[c], member_grad[c],
+            local_member, emo_parts,
+        )  # fmt: skip
+        grad_low = grad.to(hidden.dtype)
+        if grad_hidden is not None:
+            grad_hidden[c] = grad_low @ w
+        if weight_grad is not None:
+            accumulate_weight_grad_(weight_grad[:owned], grad, grad_low, h, out_dtype)
+        del z, exp, grad, grad_low  # one chunk buffer at a time
+    return grad_hidden, weight_grad
+
+
+def _handover(hidden, weight, grad_hidden, weight_grad, factor):
+    """The gradients, times `factor`, in the inputs' dtypes; see _weight_gradient."""
+    if grad_hidden is not None:
+        if factor != 1.0:
+            grad_hidden.mul_(factor)
+        grad_hidden = grad_hidden.to(hidden.dtype)
+    if weight_grad is not None:
+        if factor != 1.0:
+            weight_grad.mul_(factor)
+        weight_grad = _weight_gradient(weight, weight_grad)
+    return grad_hidden, weight_grad, *([None] * 9)
+
+
+def _weight_gradient(weight: torch.Tensor, summed: torch.Tensor) -> torch.Tensor:
+    """What autograd is handed for the weight, given the summed gradient `summed` [V/tp, h]
+    (compute dtype). In the weight's dtype it is returned as is: AccumulateGrad takes it as
+    `.grad` when there is none (DeepSpeed ZeRO 2/3 free `.grad` after each reduction) or adds
+    it in place (ZeRO 1 accumulating micro-batches). A float32 sum for a half weight would
+    make autograd cast it, a weight-sized tensor in the half dtype beside the float32 one; so
+    when the weight is a leaf holding a `.grad`, the sum is added into it in row blocks and
+    autograd gets a zero that costs no memory (stride 0), which AccumulateGrad adds; its
+    post-accumulate hooks (DeepSpeed's reduction) read the summed `.grad` as usual. The same
+    zero when the recomputing backward summed into a float32 `.grad` itself. Hooks on the
+    weight tensor (`register_hook`) see the zero in those cases. Otherwise one cast."""
+    existing = _existing_grad(weight)
+    zero = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    if summed is existing:  # the recomputing path summed into it already
+        return zero
+    if summed.dtype == weight.dtype:
+        return summed
+    if existing is None:
+        return summed.to(weight.dtype)
+    # a mixed-dtype in-place add may stage its result in the wider dtype (CPU does): blocks
+    # of rows bound that to a block instead of the whole weight
+    block = max(1, (1 << 22) // max(1, weight.shape[1]))
+    for start in range(0, weight.shape[0], block):
+        existing[start : start + block].add_(summed[start : start + block])
+    return zero
+
+
+def _existing_grad(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's own `.grad` [V/tp, h] when gradients may be summed into it in place: a
+    leaf, a dense contiguous buffer of its shape, and no graph being built of the backward."""
+    if not weight.is_leaf or not weight.requires_grad or torch.is_grad_enabled():
+        return None
+    existing = weight.grad
+    if (
+        existing is None
+        or existing.shape != weight.shape
+        or existing.layout != torch.strided
+        or not existing.is_contiguous()
+    ):
+        return None
+    return existing
 
 
 def vocab_parallel_fused_numeric_loss(
@@ -234,12 +439,15 @@ def vocab_parallel_fused_numeric_loss(
     *,
     cost_embedding: torch.Tensor | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    recompute: bool = False,
 ) -> NumericLossOutput:
     """`vocab_parallel_numeric_loss(hidden @ output_weight_shard.T, ...)` without the logits.
 
     hidden: [s, b, h] (the output layer's input, not sequence-parallel); output_weight_shard:
     [V/tp, h], this rank's rows of the (padded) vocabulary; labels, loss_mask: [b, s].
     Gradients flow to `hidden` (this rank's part, as for the product) and the weight shard.
+    recompute: form no gradient in forward (hold no float32 [V/tp, h] weight gradient from
+    forward to backward) and make each chunk's logits again in backward: a fourth product.
     """
     cfg = cfg or NumericLossConfig()
     if hidden.dim() != 3:
@@ -263,6 +471,11 @@ def vocab_parallel_fused_numeric_loss(
         group,
         cost_embedding,
     )
+    wanted = (hidden.requires_grad, output_weight_shard.requires_grad)
+    plan = None
+    # EMO's per-token weight is a ratio of sums over every chunk: not known in forward
+    if torch.is_grad_enabled() and any(wanted) and not recompute and cfg.kind != "emo":
+        plan = (token_weights(prepared, cfg, compute_dtype(hidden.dtype)), cfg, wanted)
     ce, class_logits, target_is_max, emo = _FusedParts.apply(
         hidden.reshape(seq * batch, width),
         output_weight_shard,
@@ -274,5 +487,6 @@ def vocab_parallel_fused_numeric_loss(
         prepared.group,
         cost_embedding if cfg.kind == "emo" else None,
         chunk_tokens,
+        plan,
     )
     return finish_vocab_parallel(prepared, cfg, ce, class_logits, target_is_max, emo)

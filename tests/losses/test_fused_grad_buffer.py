@@ -1,6 +1,7 @@
-"""The fused output layer + loss sums its weight gradient into the parameter's own `.grad`
-when that buffer exists (as training holds it), instead of a second weight-sized tensor:
-what the memory goal of bench/loss_fused.py rests on. One process, a world of one rank."""
+"""The fused output layer + loss: where its weight gradient goes and what it allocates, how
+many products it makes, and its choice between the gradient formed in forward and the
+recomputing backward. One process, a world of one rank (the tensor-parallel cases are in
+tests/distributed/workers/tp_fused.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from del_megatron import DigitVocab, NumericLossConfig, emo_cost_embedding
 from del_megatron.losses import vocab_parallel_numeric_loss
-from del_megatron.losses.fused import vocab_parallel_fused_numeric_loss
+from del_megatron.losses.fused import common_factor, vocab_parallel_fused_numeric_loss
 
+aten = torch.ops.aten
 VOCAB, HIDDEN, SEQ, BATCH, CHUNK = 1024, 16, 40, 2, 8
+CHUNKS = -(-SEQ * BATCH // CHUNK)
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +29,19 @@ def group():
         dist.destroy_process_group()
 
 
-class LargestAllocation(TorchDispatchMode):
-    """The largest new storage any operation returns while active (not a view or an
-    in-place result of one of its inputs)."""
+class Allocations(TorchDispatchMode):
+    """Every new storage an operation returns while active (not a view or an in-place result
+    of one of its inputs), as (dtype, bytes); and the matrix products made."""
 
     def __enter__(self):
-        self.largest = 0
+        self.made = []
+        self.products = 0
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.overloadpacket in (aten.mm, aten.addmm, aten.addmm_):
+            self.products += 1
         out = func(*args, **kwargs)
         inputs = {
             t.untyped_storage().data_ptr()
@@ -44,8 +50,13 @@ class LargestAllocation(TorchDispatchMode):
         }
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
+                self.made.append((t.dtype, t.untyped_storage().nbytes()))
         return out
+
+    def weight_sized(self, weight: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+        """How many new storages of at least the weight's size (of `dtype`, if given)."""
+        size = weight.numel() * weight.element_size()
+        return sum(1 for d, n in self.made if n >= size and (dtype is None or d == dtype))
 
 
 def case(dtype):
@@ -58,79 +69,148 @@ def case(dtype):
     return hidden.to(dtype), weight.to(dtype), labels, vocab
 
 
-def reference_grad(hidden, weight, labels, vocab, group):
+def reference(hidden, weight, labels, vocab, group, kind="del", weighting=None):
+    """Gradients of hidden and weight through the unfused op on float64 logits."""
+    h = hidden.detach().double().requires_grad_()
     w = weight.detach().double().requires_grad_()
+    cost = emo_cost_embedding(w.detach()) if kind == "emo" else None
     out = vocab_parallel_numeric_loss(
-        hidden.double() @ w.T, labels, vocab, NumericLossConfig(kind="del"), group=group
+        h @ w.T, labels, vocab, NumericLossConfig(kind=kind), group=group, cost_embedding=cost
     )
-    out.loss.backward()
-    return w.grad
+    objective = out.loss if weighting is None else (out.per_token * weighting).sum()
+    objective.backward()
+    return h.grad, w.grad
 
 
-@pytest.mark.parametrize("kind", ["del", "emo"])
-def test_weight_gradient_lands_in_existing_grad_without_a_copy(group, kind):
+def fused(hidden, weight, labels, vocab, group, kind="del", recompute=False, chunk=CHUNK):
+    cost = emo_cost_embedding(weight.detach()) if kind == "emo" else None
+    return vocab_parallel_fused_numeric_loss(
+        hidden,
+        weight,
+        labels,
+        vocab,
+        NumericLossConfig(kind=kind),
+        group=group,
+        cost_embedding=cost,
+        chunk_tokens=chunk,
+        recompute=recompute,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "recompute"), [("del", False), ("del", True), ("emo", False)]
+)  # emo: always the recomputing backward
+@pytest.mark.parametrize("held", [True, False], ids=["grad-held", "grad-fresh"])
+def test_float32_weight_gradient_makes_no_second_buffer(group, kind, recompute, held):
+    """Backward makes no weight-sized tensor when `.grad` is held (the gradient formed in
+    forward is added into it, or the recomputing backward sums into it), and at most the one
+    that becomes `.grad` when there is none; post-accumulate hooks see the summed `.grad`."""
     hidden, weight, labels, vocab = case(torch.float32)
-    cfg = NumericLossConfig(kind=kind)
-    cost = emo_cost_embedding(weight) if kind == "emo" else None
-
-    def loss_grad(existing):
-        w = weight.clone().requires_grad_()
-        w.grad = existing.clone() if existing is not None else None
-        seen = []
-        w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.sum()))
-        out = vocab_parallel_fused_numeric_loss(
-            hidden, w, labels, vocab, cfg, group=group, cost_embedding=cost, chunk_tokens=CHUNK
-        )
-        with LargestAllocation() as alloc:
-            out.loss.backward()
-        assert len(seen) == 1 and torch.equal(seen[0], w.grad.sum())  # hooks see the sum
-        return w.grad, alloc.largest
-
-    fresh, _ = loss_grad(None)
-    before = torch.randn(weight.shape, generator=torch.Generator().manual_seed(1))
-    summed, largest = loss_grad(before)
-    torch.testing.assert_close(summed - before, fresh, rtol=1e-5, atol=1e-6)
-    # a chunk's logits [8, 1024] are half a weight [1024, 16]: nothing weight-sized is made
-    assert largest < weight.untyped_storage().nbytes(), largest
-
-
-def test_gradient_values_with_and_without_existing_grad(group):
-    """float64: the summed-in gradient equals the unfused op's, with .grad absent or present,
-    and with a chunk size that does not divide the tokens."""
-    hidden, weight, labels, vocab = case(torch.float64)
-    expected = reference_grad(hidden, weight, labels, vocab, group)
-    for existing in (None, torch.full(weight.shape, 0.5, dtype=torch.float64)):
-        w = weight.clone().requires_grad_()
-        w.grad = existing.clone() if existing is not None else None
-        out = vocab_parallel_fused_numeric_loss(
-            hidden, w, labels, vocab, NumericLossConfig(kind="del"), group=group, chunk_tokens=7
-        )
-        out.loss.backward()
-        got = w.grad - (existing if existing is not None else 0)
-        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
-
-
-def test_bf16_weight_with_bf16_grad(group):
-    """Half weights: chunks summed in float32, then added once into the bf16 `.grad`."""
-    hidden, weight, labels, vocab = case(torch.bfloat16)
-    expected = reference_grad(hidden, weight, labels, vocab, group)
     w = weight.clone().requires_grad_()
-    w.grad = torch.zeros_like(w)
-    out = vocab_parallel_fused_numeric_loss(
-        hidden, w, labels, vocab, NumericLossConfig(kind="del"), group=group, chunk_tokens=CHUNK
-    )
-    out.loss.backward()
+    before = torch.randn(weight.shape, generator=torch.Generator().manual_seed(1))
+    w.grad = before.clone() if held else None
+    seen = []
+    w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.sum()))
+    out = fused(hidden, w, labels, vocab, group, kind, recompute)
+    with Allocations() as alloc:
+        out.loss.backward()
+    assert len(seen) == 1 and torch.equal(seen[0], w.grad.sum())
+    made_in_forward = kind != "emo" and not recompute
+    assert alloc.weight_sized(weight) == (0 if held or made_in_forward else 1), alloc.made
+    _, want = reference(hidden, weight, labels, vocab, group, kind)
+    got = w.grad - before if held else w.grad
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["forward", "recompute"])
+@pytest.mark.parametrize("held", [True, False], ids=["grad-held", "grad-fresh"])
+def test_bf16_weight_gradient_never_weight_sized_in_bf16(group, recompute, held):
+    """Issue 17: bf16 weights accumulate the weight gradient in float32 (no chunk product in
+    bf16 the size of the weight); a held bf16 `.grad` receives the float32 sum in place, so
+    no weight-sized bf16 tensor exists at all; without one, the one cast to bf16 is the
+    gradient itself. Values against float64 within bf16's rounding of the inputs."""
+    hidden, weight, labels, vocab = case(torch.bfloat16)
+    w = weight.clone().requires_grad_()
+    w.grad = torch.zeros_like(w) if held else None
+    with Allocations() as alloc:
+        out = fused(hidden, w, labels, vocab, group, recompute=recompute)
+        out.loss.backward()
+    assert alloc.weight_sized(weight, torch.bfloat16) == (0 if held else 1), alloc.made
     assert w.grad.dtype == torch.bfloat16
-    torch.testing.assert_close(w.grad.double(), expected, rtol=2e-2, atol=2e-3)
+    _, want_w = reference(hidden, weight, labels, vocab, group)
+    torch.testing.assert_close(w.grad.double(), want_w, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["forward", "recompute"])
+def test_three_products_per_chunk_and_one_without_grad(group, recompute):
+    """The gradient formed in forward costs megatron's three products per chunk (logits,
+    input gradient, weight gradient); the recomputing backward four; no grad, one."""
+    hidden, weight, labels, vocab = case(torch.float32)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with Allocations() as alloc:
+        out = fused(h, w, labels, vocab, group, recompute=recompute)
+        out.loss.backward()
+    assert alloc.products == (4 if recompute else 3) * CHUNKS
+    with torch.no_grad(), Allocations() as alloc:
+        fused(h, w, labels, vocab, group)
+    assert alloc.products == CHUNKS
+
+
+@pytest.mark.parametrize("chunk", [7, 1000])
+def test_values_for_a_multiple_and_for_arbitrary_incoming_gradients(group, chunk):
+    """float64: `loss` times a constant, a 0/1-masked sum of per_token (multiples of the
+    prediction: the forward-formed gradient, scaled) and per_token weighted by arbitrary
+    values (not: the recomputing backward) all give the unfused op's gradients, with `.grad`
+    absent or present, for chunk sizes that do and do not divide the tokens."""
+    hidden, weight, labels, vocab = case(torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    mask01 = (torch.rand(labels.shape, generator=gen) > 0.3).double()
+    arbitrary = torch.rand(labels.shape, generator=gen, dtype=torch.float64) * 3 - 1
+    for weighting in (None, mask01 * 3.7, arbitrary):
+        want_h, want_w = reference(hidden, weight, labels, vocab, group, weighting=weighting)
+        for existing in (None, torch.full(weight.shape, 0.5, dtype=torch.float64)):
+            h = hidden.clone().requires_grad_()
+            w = weight.clone().requires_grad_()
+            w.grad = existing.clone() if existing is not None else None
+            out = fused(h, w, labels, vocab, group, chunk=chunk)
+            objective = out.loss * 2.5 if weighting is None else (out.per_token * weighting).sum()
+            objective.backward()
+            if weighting is None:
+                want_h2, want_w2 = want_h * 2.5, want_w * 2.5
+            else:
+                want_h2, want_w2 = want_h, want_w
+            got_w = w.grad - (existing if existing is not None else 0)
+            torch.testing.assert_close(h.grad, want_h2, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(got_w, want_w2, rtol=1e-10, atol=1e-12)
+
+
+def test_common_factor():
+    """The check that decides between the formed gradient and recomputation: a multiple
+    within rounding passes with its factor, one token's weight off by 1e-4 does not."""
+    predicted = [torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([[0.2, -0.1], [0.0, 0.0]])]
+    got = [p * 0.125 for p in predicted]
+    assert common_factor(got, predicted) == pytest.approx(0.125, rel=1e-7)
+    got[0][2] *= 1 + 1e-4
+    assert common_factor(got, predicted) is None
+    zeros = [torch.zeros(4), torch.zeros(2, 2)]
+    assert common_factor(zeros, [torch.zeros(4), torch.zeros(2, 2)]) == 0.0
+    assert common_factor(got, [torch.zeros(4), torch.zeros(2, 2)]) is None
 
 
 def test_grad_of_a_non_leaf_weight(group):
     """A weight computed from a leaf (no .grad of its own) still gets its gradient."""
     hidden, weight, labels, vocab = case(torch.float64)
-    expected = reference_grad(hidden, weight, labels, vocab, group)
+    _, expected = reference(hidden, weight, labels, vocab, group)
     leaf = weight.clone().requires_grad_()
-    out = vocab_parallel_fused_numeric_loss(
-        hidden, leaf * 1.0, labels, vocab, NumericLossConfig(kind="del"), group=group
-    )
+    out = fused(hidden, leaf * 1.0, labels, vocab, group)
     out.loss.backward()
     torch.testing.assert_close(leaf.grad, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_second_backward_is_refused(group):
+    hidden, weight, labels, vocab = case(torch.float64)
+    w = weight.clone().requires_grad_()
+    out = fused(hidden, w, labels, vocab, group)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        out.loss.backward()
