@@ -31,11 +31,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The fused-loss benchmark, today's flags (bench/loss_fused.py's flags are being changed:
-# this is the one line to update). --cpu-smoke appends FUSED_BENCH_SMOKE to it (argparse: the
+# The fused-loss benchmark: bf16, 16384 tokens, chunks 1024-8192, every path but torch.compile
+# (minutes of compilation on a GPU), memory as ZeRO 2/3 hold it. --cpu-smoke appends FUSED_BENCH_SMOKE to it (argparse: the
 # last value of a flag wins).
 FUSED_BENCH=(bench/loss_fused.py --device cuda --dtype bf16 --tp 1 --tokens 16384 --chunk 1024
-             --repeats 5 --chunks "512,2048,4096")
+             --chunks "2048,4096,8192" --paths "megatron,hook,fused,fused-recompute"
+             --memory fresh --repeats 3)
 FUSED_BENCH_SMOKE=(--device cpu --dtype fp32 --vocab 4096 --hidden 256 --tokens 256 --chunk 64
                    --repeats 1 --chunks 128)
 
