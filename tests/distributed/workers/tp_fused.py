@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from del_megatron import DigitVocab, NumericLossConfig, emo_cost_embedding
+from del_megatron import DigitVocab, NumericLossConfig, collectives, emo_cost_embedding
 from del_megatron.losses import fused as fused_module
 from del_megatron.losses import vocab_parallel_numeric_loss
 from del_megatron.losses.fused import vocab_parallel_fused_numeric_loss
@@ -30,21 +30,23 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 class CountCollectives:
-    """The all-reduces made while active: (op, number of elements) each."""
+    """The all-reduces made while active: (op, number of elements) each, counted at the rule
+    every collective of ours goes through (del_megatron/collectives.py), so at any group
+    size, one rank included."""
 
     def __enter__(self):
         self.calls = []
-        self.original = dist.all_reduce
+        self.original = collectives.all_reduce
 
-        def counted(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+        def counted(tensor, *, op=dist.ReduceOp.SUM, **kwargs):
             self.calls.append((op, tensor.numel()))
-            return self.original(tensor, op, *args, **kwargs)
+            return self.original(tensor, op=op, **kwargs)
 
-        dist.all_reduce = counted
+        collectives.all_reduce = counted
         return self
 
     def __exit__(self, *exc):
-        dist.all_reduce = self.original
+        collectives.all_reduce = self.original
 
 
 class CountRecomputes:
