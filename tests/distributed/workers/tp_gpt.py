@@ -74,6 +74,7 @@ def main() -> None:
     with torch.no_grad():
         for name, param in sharded.named_parameters():
             param.copy_(split(weights[name], partition_of_param(param), rank, world))
+    sharded.freeze_emo_cost_embedding()  # weights loaded after construction (emo's cost)
     loss, report = step(sharded, kind)
 
     assert_close(loss, full_loss, atol=1e-6, what="loss")
