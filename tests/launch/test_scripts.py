@@ -246,7 +246,9 @@ def test_sbatch_dry_run_needs_no_allocation_and_writes_nothing(
     proc = sbatch_dry_run(tmp_path, "configs/tiny_cpu.yaml", "train.steps=5")
     assert proc.returncode == 0, proc.stderr
     command = proc.stdout.split("# command: ", 1)[1]
-    assert command.startswith("srun --kill-on-bad-exit=0 --wait=120 --label ")
+    assert command.startswith(  # outside an allocation: one node, one rank per node
+        "srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --kill-on-bad-exit=0 --wait=120 --label "
+    )
     assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume auto" in command
     assert "with WORLD_SIZE=N (the job's ranks) this dry run also runs del-train's" in proc.stdout
     assert not (tmp_path / "logs").exists()

@@ -104,12 +104,13 @@ def overrides(tokenizer, manifest, out: Path, *extra: str) -> list[str]:
     ]
 
 
-def sbatch(root: Path, args: list[str], *, wait: bool = False, **env: str):
+def sbatch(root: Path, args: list[str], *, wait: bool = False, nodes: str = "2", **env: str):
     command = [
         "sbatch",
         "--parsable",
-        "--nodes=2",
-        "--ntasks-per-node=1",
+        f"--nodes={nodes}",
+        # not with a node range: SLURM would size the job by its smallest count
+        *([] if "-" in nodes else ["--ntasks-per-node=1"]),
         "--gpus-per-node=0",
         f"--output={root}/slurm-%j.out",
         *(["--wait"] if wait else []),
@@ -261,3 +262,37 @@ def test_dry_run_resolves_rendezvous_and_container(tmp_path):
     assert "--container-image=nvcr.io#nvidia/pytorch:25.09-py3" in log
     assert f"--container-mounts={ROOT}:{ROOT}" in log
     assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume auto" in log
+
+
+def scontrol_node(name: str, *state: str) -> None:
+    subprocess.run(["scontrol", "update", f"NodeName={name}", *state], check=True)
+
+
+def test_node_range_resumes_on_the_nodes_left(synth_tokenizer, synth_shards, tmp_path):
+    """--nodes=1-2: the job starts on both nodes (data parallel 2), is preempted, node n2 goes
+    down before the requeue, and the job continues on n1 alone (data parallel 1, twice the
+    accumulation steps) from the checkpoint, to the end."""
+    out = tmp_path / "run"
+    args = overrides(synth_tokenizer, synth_shards, out, "parallel.tensor_parallel=1")
+    job, _ = sbatch(tmp_path, args, nodes="1-2")
+    wait_for_step(job, out, 3)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job.id], check=True)
+    job.wait_until(
+        lambda info: info["JobState"] == "PENDING" and info.get("Restarts") == "1",
+        "the requeue",
+    )
+    scontrol_node("n2", "State=DOWN", "Reason=test")
+    try:
+        info = job.finish()
+    finally:
+        scontrol_node("n2", "State=RESUME")
+    log = job.log
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-3000:]
+    assert "(restart 0): 2 node(s), 2 rank(s)" in log
+    assert "(restart 1): 1 node(s), 1 rank(s)" in log
+    assert "checking the run for 1 rank(s)" in log
+    stopped = int(re.search(r"checkpoint of step (\d+) saved", log).group(1))
+    assert f"resumed from {out}/checkpoints/step-{stopped:07d} at step {stopped}" in log
+    assert "data-parallel size 1" in log, log[-3000:]
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # every step once
