@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def arch_of(layers: int):
-    from del_megatron.models.llama import LlamaArchitecture
+    from del_megatron.models.architecture import LlamaArchitecture
 
     return LlamaArchitecture(
         vocab_size=32000,
@@ -42,7 +42,7 @@ def generate(directory: Path, layers: int) -> None:
     import torch
 
     from del_megatron.models.hf_config import hf_config
-    from del_megatron.models.hf_tensors import hf_shapes
+    from del_megatron.models.hf_names import hf_shapes
     from del_megatron.models.weight_files import HFWriter
 
     if (directory / "config.json").is_file():
@@ -79,7 +79,8 @@ def measure(directory: Path, rank: int, world: int, mode: str) -> dict:
     """One rank's import in this process: its shard of every tensor, held as the model
     would hold it."""
     from del_megatron.models.hf_config import architecture_from_hf
-    from del_megatron.models.hf_tensors import megatron_names, rank_shard, reader_of
+    from del_megatron.models.hf_names import megatron_names
+    from del_megatron.models.hf_tensors import rank_shard, reader_of
     from del_megatron.models.sharding import partition_of, split
     from del_megatron.models.weight_files import HFCheckpoint
 

@@ -52,8 +52,9 @@ def setup(args):
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from del_megatron import DigitVocab
+    from del_megatron.models.architecture import LlamaArchitecture
     from del_megatron.models.device import select_accelerator
-    from del_megatron.models.llama import LlamaArchitecture, transformer_config
+    from del_megatron.models.llama import transformer_config
 
     device = torch.device(args.device)
     select_accelerator(device)

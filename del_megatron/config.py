@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .data.config import DataSource
 from .errors import UserError
 from .losses import NumericLossConfig
-from .models.llama import LlamaArchitecture
+from .models.architecture import LlamaArchitecture
 
 
 class ConfigError(UserError, ValueError):

@@ -18,29 +18,20 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
-from ..models.export import export_hf
-from ..models.hf_config import ConversionError, architecture_from_hf
-from ..models.hf_tensors import check_hf_tensors, megatron_names, rank_shard
-from ..models.weight_files import DTYPES, HFCheckpoint, tokenizer_in, write_weights
+from ..models.conversion import export_hf, hf_to_megatron, open_hf
+from ..models.hf_config import ConversionError
+from ..models.weight_files import DTYPES
 from .arguments import positive_int
 
 
 def hf_to_megatron_cmd(args: argparse.Namespace) -> str:
     print(f"del-convert: converting {args.hf} to {args.out}", flush=True)
-    checkpoint = HFCheckpoint(args.hf)
-    arch = architecture_from_hf(checkpoint.config, divisible_by=args.divisible_by)
-    check_hf_tensors(checkpoint.shapes, arch)
+    checkpoint, arch = open_hf(args.hf, divisible_by=args.divisible_by)
     try:
         arch.check_tensor_parallel(args.tp)
     except ValueError as err:
         raise ConversionError(f"--tp {args.tp}: {err}") from None
-    padded = arch.padded_vocab_size(args.tp)
-    names = megatron_names(arch)
-    shards = (  # one rank in memory at a time
-        {n: rank_shard(checkpoint.read, n, arch, padded, rank, args.tp) for n in names}
-        for rank in range(args.tp)
-    )
-    write_weights(args.out, shards, arch, tokenizer_in(args.hf), force=args.force)
+    hf_to_megatron(checkpoint, arch, args.out, tensor_parallel=args.tp, force=args.force)
     return f"{args.hf} -> {args.out}/model ({arch.family}, {args.tp} tensor-parallel shards)"
 
 

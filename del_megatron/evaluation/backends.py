@@ -140,7 +140,7 @@ def hf_directory(loaded: Loaded, scratch: Path) -> Path:
         return loaded.path
     out = scratch / "hf-export"
     if not (out / "config.json").is_file():
-        from ..models.export import export_hf
+        from ..models.conversion import export_hf
 
         export_hf(loaded.path, out, dtype="float32")
     return out

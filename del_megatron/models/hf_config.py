@@ -14,7 +14,7 @@ import contextlib
 from typing import Any
 
 from ..errors import UserError
-from .llama import LlamaArchitecture
+from .architecture import LlamaArchitecture
 
 CLASSES = {
     "llama": "LlamaForCausalLM",

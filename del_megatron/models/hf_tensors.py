@@ -1,16 +1,11 @@
-"""Hugging Face tensors <-> megatron-core tensors of the Llama family, one tensor at a time.
-
-Layouts:
-* megatron's fused QKV is ordered by query group: [q of the group's heads, k, v] per group,
-  so a tensor-parallel rank's rows are its groups' q, k and v rows, each contiguous;
-* megatron's linear_fc1 is [gate; up] (SwiGLU), a rank holding [gate_r; up_r];
-* the vocabulary is padded to a multiple for tensor parallelism: padding rows are zero on
-  import and dropped on export; with tied embeddings there is no output_layer.
-Megatron names here are canonical: the local spec's separate norms. Transformer Engine's
-spec fuses them into the next linear layer; `canonical` and `spec_name` translate.
+"""Hugging Face tensors <-> megatron-core tensors of the Llama family, one tensor at a time,
+as the table in models/hf_names.py describes them (names, shapes, fusion, split, padding).
 
 `rank_shard` reads, through a `SliceReader`, only the rows or columns of each Hugging Face
-tensor that a rank holds: a rank never needs the whole checkpoint in memory.
+tensor that a rank holds: a rank never needs the whole checkpoint in memory. `hf_tensors` is
+its inverse on a full (TP 1) tensor. Megatron names here are canonical: the local spec's
+separate norms. Transformer Engine's spec fuses them into the next linear layer; `canonical`
+and `spec_name` translate.
 """
 
 from __future__ import annotations
@@ -19,8 +14,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from .architecture import LlamaArchitecture
 from .hf_config import ConversionError
-from .llama import LlamaArchitecture
+from .hf_names import Bound, find, hf_shapes
 
 # (hf_name, dim, start, stop) -> that slice of the tensor (dim None: the whole tensor)
 SliceReader = Callable[[str, int | None, int | None, int | None], torch.Tensor]
@@ -50,59 +46,6 @@ def spec_name(name: str, layer_norms_fused: bool) -> str:
     return name
 
 
-def megatron_names(arch: LlamaArchitecture) -> list[str]:
-    """Every canonical megatron parameter name of `arch`, in model order."""
-    names = ["embedding.word_embeddings.weight"]
-    for i in range(arch.num_layers):
-        p = f"decoder.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
-        if arch.qkv_bias:
-            names.append(p + "self_attention.linear_qkv.bias")
-        names += [
-            p + "self_attention.linear_proj.weight",
-            p + "pre_mlp_layernorm.weight",
-            p + "mlp.linear_fc1.weight",
-            p + "mlp.linear_fc2.weight",
-        ]
-    names.append("decoder.final_layernorm.weight")
-    if not arch.tie_word_embeddings:
-        names.append("output_layer.weight")
-    return names
-
-
-def hf_shapes(arch: LlamaArchitecture) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face checkpoint of `arch` holds, with its shape."""
-    h, d = arch.hidden_size, arch.kv_channels
-    q, kv, f = arch.num_attention_heads * d, arch.num_query_groups * d, arch.ffn_hidden_size
-    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
-    for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (f, h),
-                p + "mlp.up_proj.weight": (f, h),
-                p + "mlp.down_proj.weight": (h, f),
-            }
-        )
-        if arch.qkv_bias:
-            shapes.update(
-                {
-                    p + "self_attn.q_proj.bias": (q,),
-                    p + "self_attn.k_proj.bias": (kv,),
-                    p + "self_attn.v_proj.bias": (kv,),
-                }
-            )
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (arch.vocab_size, h)
-    return shapes
-
-
 def check_hf_tensors(found: dict[str, tuple[int, ...]], arch: LlamaArchitecture) -> None:
     """Every tensor `arch` needs is there with its shape, and nothing else is (a tensor we
     would not read changes the model's math): ConversionError naming the first mismatch."""
@@ -125,21 +68,47 @@ def check_hf_tensors(found: dict[str, tuple[int, ...]], arch: LlamaArchitecture)
         )
 
 
-def _layer(name: str) -> tuple[str, str]:
-    """('model.layers.{i}.', the rest) of a canonical megatron layer parameter name."""
-    _, _, index, rest = name.split(".", 3)
-    return f"model.layers.{index}.", rest
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`t` grown to `size` along `dim` with zeros (the vocabulary padding)."""
+    missing = size - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+def pad_vocab(name: str, full: torch.Tensor, arch: LlamaArchitecture, padded_vocab: int):
+    """A full (TP 1) canonical tensor with its vocabulary rows, if it has them, padded with
+    zeros to `padded_vocab` rows whatever padding it had; other tensors unchanged."""
+    if not find(name, arch).entry.padded:
+        return full
+    return _pad(full.narrow(0, 0, arch.vocab_size), 0, padded_vocab)
 
 
-def _fuse_qkv(q, k, v, groups: int, d: int) -> torch.Tensor:
-    tail = q.shape[1:]
-    q = q.reshape(groups, -1, *tail)
-    k, v = k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+def _fuse(bound: Bound, parts: list[torch.Tensor], groups: int) -> torch.Tensor:
+    """The megatron tensor (or shard) of its Hugging Face parts (or their rank's slices)."""
+    fusion = bound.entry.fusion
+    if fusion is None:
+        return parts[0]
+    if fusion == "concat":
+        return torch.cat(parts)
+    tail = parts[0].shape[1:]  # qkv: interleaved by query group
+    return torch.cat([p.reshape(groups, -1, *tail) for p in parts], dim=1).reshape(-1, *tail)
+
+
+def _unfuse(bound: Bound, full: torch.Tensor, groups: int) -> list[torch.Tensor]:
+    """The Hugging Face parts of a full megatron tensor (inverse of `_fuse`)."""
+    fusion = bound.entry.fusion
+    rows = [shape[0] for shape in bound.shapes]
+    if fusion is None:
+        return [full]
+    if fusion == "concat":
+        return list(full.split(rows))
+    tail = full.shape[1:]
+    per_group = [r // groups for r in rows]
+    split = full.reshape(groups, sum(per_group), *tail).split(per_group, dim=1)
+    return [t.reshape(-1, *tail) for t in split]
 
 
 def rank_shard(
@@ -151,42 +120,24 @@ def rank_shard(
     world: int = 1,
 ) -> torch.Tensor:
     """Tensor-parallel rank `rank`'s shard of the canonical megatron tensor `name` (the whole
-    tensor at world 1), read slice by slice from the Hugging Face tensors."""
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        source = "model.embed_tokens.weight" if name.startswith("embedding") else "lm_head.weight"
-        rows = padded_vocab // world
-        start, stop = rank * rows, min((rank + 1) * rows, arch.vocab_size)
-        if start >= stop:
-            return torch.zeros(rows, arch.hidden_size, dtype=read(source, 0, 0, 1).dtype)
-        return _pad_rows(read(source, 0, start, stop), rows)
-    if name == "decoder.final_layernorm.weight":
-        return read("model.norm.weight", None, None, None)
-    layer, rest = _layer(name)
-    attn, d = layer + "self_attn.", arch.kv_channels
-    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        kind = rest.rsplit(".", 1)[1]
-        groups = arch.num_query_groups // world
-        first = rank * groups
-        per_group = arch.num_attention_heads // arch.num_query_groups * d
-        q = read(f"{attn}q_proj.{kind}", 0, first * per_group, (first + groups) * per_group)
-        k = read(f"{attn}k_proj.{kind}", 0, first * d, (first + groups) * d)
-        v = read(f"{attn}v_proj.{kind}", 0, first * d, (first + groups) * d)
-        return _fuse_qkv(q, k, v, groups, d)
-    if rest == "self_attention.linear_proj.weight":
-        columns = arch.num_attention_heads * d // world
-        return read(attn + "o_proj.weight", 1, rank * columns, (rank + 1) * columns)
-    ffn = arch.ffn_hidden_size // world
-    if rest == "mlp.linear_fc1.weight":
-        gate = read(layer + "mlp.gate_proj.weight", 0, rank * ffn, (rank + 1) * ffn)
-        up = read(layer + "mlp.up_proj.weight", 0, rank * ffn, (rank + 1) * ffn)
-        return torch.cat([gate, up])
-    if rest == "mlp.linear_fc2.weight":
-        return read(layer + "mlp.down_proj.weight", 1, rank * ffn, (rank + 1) * ffn)
-    if rest == "input_layernorm.weight":
-        return read(layer + "input_layernorm.weight", None, None, None)
-    if rest == "pre_mlp_layernorm.weight":
-        return read(layer + "post_attention_layernorm.weight", None, None, None)
-    raise ConversionError(f"no Hugging Face tensor maps to {name}")
+    tensor at world 1), read slice by slice from the Hugging Face tensors: the rank's
+    `1/world` of each part along the split dim (for the vocabulary, of the padded rows,
+    zeros past the real ones), fused. Equals `sharding.split` of the full tensor."""
+    bound = find(name, arch)
+    if bound.entry.partition is None:
+        return read(bound.hf[0], None, None, None)
+    dim = bound.entry.partition[0]
+    parts = []
+    for hf, shape in zip(bound.hf, bound.shapes, strict=True):
+        per_rank = (padded_vocab if bound.entry.padded else shape[dim]) // world
+        start, stop = rank * per_rank, (rank + 1) * per_rank
+        real_stop = min(stop, shape[dim])
+        if start < real_stop:
+            part = read(hf, dim, start, real_stop)
+        else:  # a shard of padding only: no rows to read, one read for the dtype
+            part = read(hf, dim, 0, 1).narrow(dim, 0, 0)
+        parts.append(_pad(part, dim, stop - start))
+    return _fuse(bound, parts, arch.num_query_groups // world)
 
 
 def reader_of(tensors: dict[str, torch.Tensor]) -> SliceReader:
@@ -205,39 +156,9 @@ def reader_of(tensors: dict[str, torch.Tensor]) -> SliceReader:
 def hf_tensors(
     name: str, full: torch.Tensor, arch: LlamaArchitecture
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The Hugging Face tensors of one full (TP 1) canonical megatron tensor."""
-    v = arch.vocab_size
-    if name == "embedding.word_embeddings.weight":
-        yield "model.embed_tokens.weight", full[:v]
-        return
-    if name == "output_layer.weight":
-        yield "lm_head.weight", full[:v]
-        return
-    if name == "decoder.final_layernorm.weight":
-        yield "model.norm.weight", full
-        return
-    layer, rest = _layer(name)
-    attn, d = layer + "self_attn.", arch.kv_channels
-    if rest.startswith("self_attention.linear_qkv."):
-        kind = rest.rsplit(".", 1)[1]
-        groups = arch.num_query_groups
-        per_group = arch.num_attention_heads // groups * d
-        tail = full.shape[1:]
-        q, k, vv = full.reshape(groups, per_group + 2 * d, *tail).split([per_group, d, d], dim=1)
-        for proj, t in (("q_proj", q), ("k_proj", k), ("v_proj", vv)):
-            yield f"{attn}{proj}.{kind}", t.reshape(-1, *tail)
-        return
-    simple = {
-        "self_attention.linear_proj.weight": attn + "o_proj.weight",
-        "mlp.linear_fc2.weight": layer + "mlp.down_proj.weight",
-        "input_layernorm.weight": layer + "input_layernorm.weight",
-        "pre_mlp_layernorm.weight": layer + "post_attention_layernorm.weight",
-    }
-    if rest in simple:
-        yield simple[rest], full
-    elif rest == "mlp.linear_fc1.weight":
-        gate, up = full.chunk(2)
-        yield layer + "mlp.gate_proj.weight", gate
-        yield layer + "mlp.up_proj.weight", up
-    else:
-        raise ConversionError(f"{name} has no Hugging Face counterpart")
+    """The Hugging Face tensors of one full (TP 1) canonical megatron tensor (vocabulary
+    padding dropped)."""
+    bound = find(name, arch)
+    if bound.entry.padded:
+        full = full[: arch.vocab_size]
+    yield from zip(bound.hf, _unfuse(bound, full, arch.num_query_groups), strict=True)

@@ -1,29 +1,23 @@
-"""Tensor-parallel split and merge of megatron-core tensors: the one place that knows how a
-full (TP 1) tensor is cut into ranks' shards and put back together.
+"""Tensor-parallel split and merge of megatron-core tensors: the one place that cuts a full
+(TP 1) tensor into ranks' shards and puts it back together.
 
 A parameter is partitioned along `dim` in `world * stride` chunks, rank r taking chunks
 r, r + world, ... (stride 2 for SwiGLU's fused [gate; up], so rank r holds [gate_r; up_r]):
 the split megatron-core's CPU initialization uses. Which parameters are partitioned, and
 how, comes from the attributes megatron-core sets (`partition_dim`, `partition_stride`) or,
-without a model, from PARTITIONS (a test checks the table against a built model).
+without a model, from PARTITIONS, read off the Hugging Face name table (models/hf_names.py,
+which a test checks against a built model).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .hf_names import Partition, partitions
+
 # (partition dim, stride) of megatron-core's tensor-parallel parameters by name suffix; the
 # others (norms) are replicated on every rank.
-PARTITIONS = {
-    "embedding.word_embeddings.weight": (0, 1),
-    "output_layer.weight": (0, 1),
-    "self_attention.linear_qkv.weight": (0, 1),
-    "self_attention.linear_qkv.bias": (0, 1),
-    "self_attention.linear_proj.weight": (1, 1),
-    "mlp.linear_fc1.weight": (0, 2),
-    "mlp.linear_fc2.weight": (1, 1),
-}
-Partition = tuple[int, int] | None
+PARTITIONS = partitions()
 
 
 def partition_of(name: str) -> Partition:

@@ -23,9 +23,9 @@ import torch
 from pydantic import ValidationError
 
 from ..outputs import Ours, abandon_output, begin_output, commit_output
+from .architecture import LlamaArchitecture
 from .hf_config import ConversionError
-from .hf_tensors import canonical
-from .llama import LlamaArchitecture
+from .hf_tensors import canonical, pad_vocab
 from .sharding import merge, partition_of, split
 
 WEIGHTS = "model"
@@ -152,10 +152,7 @@ class MegatronWeights:
         `padded_vocab`: read as stored when the layout is the same, else re-cut."""
         if world == self.tensor_parallel and padded_vocab == self.padded_vocab:
             return self.shard(name, rank)
-        full = self.full(name)
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            rows = full[: self.arch.vocab_size]
-            full = torch.cat([rows, rows.new_zeros(padded_vocab - rows.shape[0], *rows.shape[1:])])
+        full = pad_vocab(name, self.full(name), self.arch, padded_vocab)
         return split(full, partition_of(name), rank, world)
 
     def tokenizer(self) -> Path | None:

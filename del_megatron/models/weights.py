@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import torch
 
+from .architecture import LlamaArchitecture
 from .hf_config import ConversionError
 from .hf_tensors import canonical, check_hf_tensors, rank_shard
-from .llama import LlamaArchitecture
 from .weight_files import HFCheckpoint, MegatronWeights
 
 ShardSource = Callable[[str], torch.Tensor]  # canonical name -> this rank's shard

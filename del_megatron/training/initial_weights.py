@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, RunConfig
-from ..models.hf_config import ConversionError, architecture_from_hf
-from ..models.hf_tensors import check_hf_tensors
-from ..models.llama import LlamaArchitecture
+from ..models.architecture import LlamaArchitecture
+from ..models.conversion import open_hf
+from ..models.hf_config import ConversionError
 from ..models.weight_files import HFCheckpoint, MegatronWeights
 
 Initial = tuple[HFCheckpoint | MegatronWeights, LlamaArchitecture]
@@ -32,11 +32,7 @@ def open_initial_weights(cfg: RunConfig) -> Initial | None:
         raise ConfigError(f"{field}: {where} does not exist{hint}")
     try:
         if cfg.init.hf:
-            source = HFCheckpoint(where)
-            arch = architecture_from_hf(
-                source.config, divisible_by=cfg.model.make_vocab_size_divisible_by
-            )
-            check_hf_tensors(source.shapes, arch)
+            source, arch = open_hf(where, divisible_by=cfg.model.make_vocab_size_divisible_by)
         else:
             source = MegatronWeights(where)
             arch = source.arch

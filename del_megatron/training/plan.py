@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models.llama import LlamaArchitecture
+from ..models.architecture import LlamaArchitecture
 
 GIB = 1 << 30
 RESERVE = 3 * GIB  # CUDA context, NCCL buffers, allocator slack: a round estimate

@@ -19,10 +19,10 @@ from del_megatron import DigitVocab, NumericLossConfig
 from del_megatron.config import load_run_config
 from del_megatron.models import build_llama
 from del_megatron.models.hf_config import hf_config
+from del_megatron.models.hf_names import hf_shapes
 from del_megatron.models.hf_tensors import (
     canonical,
     check_hf_tensors,
-    hf_shapes,
     hf_tensors,
     rank_shard,
     reader_of,
