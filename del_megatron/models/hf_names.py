@@ -43,7 +43,7 @@ class HFPart:
     shape: tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Entry:
     """A canonical megatron parameter (relative to `decoder.layers.{i}.` in a layer) and the
     Hugging Face tensors it holds, in fused order."""
@@ -69,50 +69,75 @@ class FamilyTable:
         return self.before + self.layer + self.after
 
 
-def _qkv(kind: str, shape: tuple[str, ...]) -> tuple[HFPart, ...]:
-    rows = ("q", "kv", "kv")
-    return tuple(
-        HFPart(f"self_attn.{p}_proj.{kind}", (r, *shape))
-        for p, r in zip(("q", "k", "v"), rows, strict=True)
-    )
+def _parts(*parts: tuple[str, str]) -> tuple[HFPart, ...]:
+    """HFParts from (name, "space-separated shape symbols") pairs."""
+    return tuple(HFPart(name, tuple(shape.split())) for name, shape in parts)
 
 
 LLAMA = FamilyTable(
     before=(
         Entry(
-            "embedding.word_embeddings.weight",
-            (HFPart("model.embed_tokens.weight", ("v", "h")),),
+            megatron="embedding.word_embeddings.weight",
+            hf=_parts(("model.embed_tokens.weight", "v h")),
             partition=(0, 1),
             padded=True,
         ),
     ),
     layer=(
-        Entry("input_layernorm.weight", (HFPart("input_layernorm.weight", ("h",)),)),
-        Entry("self_attention.linear_qkv.weight", _qkv("weight", ("h",)), (0, 1), fusion="qkv"),
         Entry(
-            "self_attention.linear_qkv.bias", _qkv("bias", ()), (0, 1), "qkv", only_if="qkv_bias"
+            megatron="input_layernorm.weight",
+            hf=_parts(("input_layernorm.weight", "h")),
         ),
         Entry(
-            "self_attention.linear_proj.weight",
-            (HFPart("self_attn.o_proj.weight", ("h", "q")),),
+            megatron="self_attention.linear_qkv.weight",
+            hf=_parts(
+                ("self_attn.q_proj.weight", "q h"),
+                ("self_attn.k_proj.weight", "kv h"),
+                ("self_attn.v_proj.weight", "kv h"),
+            ),
+            partition=(0, 1),
+            fusion="qkv",
+        ),
+        Entry(
+            megatron="self_attention.linear_qkv.bias",
+            hf=_parts(
+                ("self_attn.q_proj.bias", "q"),
+                ("self_attn.k_proj.bias", "kv"),
+                ("self_attn.v_proj.bias", "kv"),
+            ),
+            partition=(0, 1),
+            fusion="qkv",
+            only_if="qkv_bias",
+        ),
+        Entry(
+            megatron="self_attention.linear_proj.weight",
+            hf=_parts(("self_attn.o_proj.weight", "h q")),
             partition=(1, 1),
         ),
-        Entry("pre_mlp_layernorm.weight", (HFPart("post_attention_layernorm.weight", ("h",)),)),
         Entry(
-            "mlp.linear_fc1.weight",
-            (HFPart("mlp.gate_proj.weight", ("f", "h")), HFPart("mlp.up_proj.weight", ("f", "h"))),
+            megatron="pre_mlp_layernorm.weight",
+            hf=_parts(("post_attention_layernorm.weight", "h")),
+        ),
+        Entry(
+            megatron="mlp.linear_fc1.weight",
+            hf=_parts(("mlp.gate_proj.weight", "f h"), ("mlp.up_proj.weight", "f h")),
             partition=(0, 2),
             fusion="concat",
         ),
         Entry(
-            "mlp.linear_fc2.weight", (HFPart("mlp.down_proj.weight", ("h", "f")),), partition=(1, 1)
+            megatron="mlp.linear_fc2.weight",
+            hf=_parts(("mlp.down_proj.weight", "h f")),
+            partition=(1, 1),
         ),
     ),
     after=(
-        Entry("decoder.final_layernorm.weight", (HFPart("model.norm.weight", ("h",)),)),
         Entry(
-            "output_layer.weight",
-            (HFPart("lm_head.weight", ("v", "h")),),
+            megatron="decoder.final_layernorm.weight",
+            hf=_parts(("model.norm.weight", "h")),
+        ),
+        Entry(
+            megatron="output_layer.weight",
+            hf=_parts(("lm_head.weight", "v h")),
             partition=(0, 1),
             padded=True,
             only_if="untied",
