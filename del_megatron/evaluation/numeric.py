@@ -91,9 +91,11 @@ def batch_statistics(
     calibration[:, 1].index_add_(0, conf_bin, confidence)
     calibration[:, 2].index_add_(0, conf_bin, cond_correct.double())
 
-    # numbers: value = sum of digit * 10^place, read from targets and from greedy digits
+    # numbers: value = sum of digit * 10^place, read from targets and from greedy digits.
+    # Number ids stay below b * s + 1 (one per position at most): a bound known without
+    # reading the largest id to the host, so a batch makes no host read.
     numbers = _number_ids(classes, decimal_point).flatten()[d]
-    count = int(numbers.max()) + 1 if numbers.numel() else 1
+    count = classes.numel() + 1
     scale = torch.pow(10.0, places.double())
     per_number = torch.zeros(3, count, dtype=torch.float64, device=device)
     true_value, greedy_value, wrong = per_number
@@ -123,48 +125,38 @@ def batch_statistics(
     }
 
 
-class NumericMetrics:
-    """Sums `batch_statistics` over batches; `result()` gives the metrics."""
-
-    def __init__(self, vocab: DigitVocab) -> None:
-        self.vocab = vocab
-        self.totals: dict[str, torch.Tensor] = {}
-
-    def add(self, logits, labels, loss_mask) -> None:
-        for key, value in batch_statistics(logits, labels, loss_mask, self.vocab).items():
-            value = value.double()  # on the logits' device until result() reads it
-            self.totals[key] = self.totals[key] + value if key in self.totals else value
-
-    def result(self) -> dict:
-        t = {k: v.tolist() for k, v in self.totals.items()}
-        tokens, digits = t["tokens"], t["digits"]
-        loss = t["nll"] / tokens if tokens else float("nan")
-        by_place = {}
-        for index, (correct, count) in enumerate(t["places"]):
-            if count:
-                name = f"int_{index}" if index < MAX_PLACE else f"dec_{index - MAX_PLACE + 1}"
-                by_place[name] = correct / count
-        calibration_error = 0.0
-        for count, confidence, correct in t["calibration"]:
-            if count:
-                calibration_error += count / digits * abs(correct / count - confidence / count)
-        div = lambda a, b: a / b if b else float("nan")  # noqa: E731
-        return {
-            "tokens": int(tokens),
-            "loss": loss,
-            "perplexity": math.exp(loss) if loss == loss else float("nan"),
-            "digits": int(digits),
-            "digit_acc": div(t["digit_correct"], digits),
-            "digit_cond_acc": div(t["digit_cond_correct"], digits),
-            "digit_acc_by_place": by_place,
-            "numbers": int(t["numbers"]),
-            "number_exact_match": div(t["numbers_exact"], t["numbers"]),
-            "number_abs_error": div(t["abs_error"], t["numbers"]),
-            "number_rel_error": div(t["rel_error"], t["rel_numbers"]),
-            "digit_entropy": div(t["entropy"], digits),
-            "digit_entropy_histogram": {
-                "edges": [i * math.log(10) / ENTROPY_BINS for i in range(ENTROPY_BINS + 1)],
-                "counts": [int(c) for c in t["entropy_hist"]],
-            },
-            "digit_calibration_error": calibration_error if digits else float("nan"),
-        }
+def numeric_metrics(sums: dict) -> dict:
+    """The metrics from `batch_statistics` summed over batches (and ranks) and read to the
+    host (`pipeline.reduce_and_read`: floats and nested lists)."""
+    t = sums
+    tokens, digits = t["tokens"], t["digits"]
+    loss = t["nll"] / tokens if tokens else float("nan")
+    by_place = {}
+    for index, (correct, count) in enumerate(t["places"]):
+        if count:
+            name = f"int_{index}" if index < MAX_PLACE else f"dec_{index - MAX_PLACE + 1}"
+            by_place[name] = correct / count
+    calibration_error = 0.0
+    for count, confidence, correct in t["calibration"]:
+        if count:
+            calibration_error += count / digits * abs(correct / count - confidence / count)
+    div = lambda a, b: a / b if b else float("nan")  # noqa: E731
+    return {
+        "tokens": int(tokens),
+        "loss": loss,
+        "perplexity": math.exp(loss) if loss == loss else float("nan"),
+        "digits": int(digits),
+        "digit_acc": div(t["digit_correct"], digits),
+        "digit_cond_acc": div(t["digit_cond_correct"], digits),
+        "digit_acc_by_place": by_place,
+        "numbers": int(t["numbers"]),
+        "number_exact_match": div(t["numbers_exact"], t["numbers"]),
+        "number_abs_error": div(t["abs_error"], t["numbers"]),
+        "number_rel_error": div(t["rel_error"], t["rel_numbers"]),
+        "digit_entropy": div(t["entropy"], digits),
+        "digit_entropy_histogram": {
+            "edges": [i * math.log(10) / ENTROPY_BINS for i in range(ENTROPY_BINS + 1)],
+            "counts": [int(c) for c in t["entropy_hist"]],
+        },
+        "digit_calibration_error": calibration_error if digits else float("nan"),
+    }
