@@ -175,3 +175,26 @@ def test_the_loop_sums_batches_as_one():
             assert apart[key] == pytest.approx(value, rel=1e-12), key
         else:
             assert apart[key] == value, key
+
+
+def test_the_loop_reduced_over_two_ranks_equals_one_process(tmp_path):
+    """The data-parallel reduction: two gloo ranks each scoring half of the batches give the
+    metrics (and [sum, count] pairs) of one process scoring them all, within float64
+    rounding of the sums' order (1e-12 relative), counts exactly."""
+    import json
+
+    from ..distributed.launcher import run_torchrun
+
+    out = tmp_path / "pipeline.json"
+    run_torchrun("-m tests.evaluation.pipeline_ranks", 2, str(out))
+    result = json.loads(out.read_text())
+    ranks, alone = result["ranks"], result["alone"]
+    assert result["batches"] == 3 and ranks.keys() == alone.keys()
+    assert alone["digits"] > 100 and alone["numbers"] > 10
+    for key, value in alone.items():
+        if isinstance(value, float):
+            assert ranks[key] == pytest.approx(value, rel=1e-12), key
+        elif key == "pair":
+            assert ranks[key] == pytest.approx(value, rel=1e-12), key
+        else:
+            assert ranks[key] == value, key
