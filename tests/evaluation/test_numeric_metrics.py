@@ -198,3 +198,32 @@ def test_the_loop_reduced_over_two_ranks_equals_one_process(tmp_path):
             assert ranks[key] == pytest.approx(value, rel=1e-12), key
         else:
             assert ranks[key] == value, key
+
+
+def test_no_operation_whose_size_depends_on_the_data():
+    """A boolean index (nonzero underneath) or a scalar read makes a GPU wait for the device
+    each batch; the loop and the statistics use neither (before: 12 boolean indexes a batch).
+    Seen on CPU at the dispatcher, below every Python-level call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from del_megatron.evaluation.pipeline import sum_scores
+
+    class DataDependent(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.found: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("nonzero", "masked_select", "_local_scalar_dense", "unique"):
+                self.found.append(name)
+            indices = args[1] if name == "index" else ()
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
+                self.found.append("index by a mask")
+            return func(*args, **(kwargs or {}))
+
+    labels = tokens_of("x 12.5 x 3 x 40 x 7.25")
+    logits = logits_for(labels, greedy={2: 4})
+    with DataDependent() as mode:
+        sum_scores([batch(logits, labels)] * 2, score, torch.device("cpu"))
+    assert mode.found == []
