@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .data.config import DataSource
+from .data.config import DataConfig, DataSource
 from .errors import UserError
 from .losses import NumericLossConfig
 from .models.architecture import LlamaArchitecture
@@ -91,6 +91,33 @@ class DataSection(_Section):
     mask_after_boundary: bool = False
     on_error: Literal["skip", "fail"] = "fail"
     allow_pipe: bool = False
+
+    def loader_config(
+        self,
+        sources: tuple[DataSource, ...],
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int = 1234,
+        held_out: bool = False,
+    ) -> DataConfig:
+        """The loader's record for `sources` read with this section's options: the one place
+        a DataSection becomes a DataConfig (training, its evaluation, del-train's checks,
+        del-eval). held_out: one pass in file order (no shuffle, one epoch, every rank the
+        same number of batches) read in this process, so an evaluation sees the same windows
+        each time and starts no worker processes."""
+        return DataConfig(
+            sources=sources,
+            seq_len=seq_len,
+            micro_batch_size=micro_batch_size,
+            seed=seed,
+            shuffle=self.shuffle and not held_out,
+            mask_after_boundary=self.mask_after_boundary,
+            on_error=self.on_error,
+            allow_pipe=self.allow_pipe,
+            num_workers=0 if held_out else self.num_workers,
+            epochs=1 if held_out else None,
+        )
 
 
 class InitConfig(_Section):
@@ -191,6 +218,18 @@ class RunConfig(_Section):
             where = self.init.hf or self.init.megatron
             raise ConfigError(f"data.tokenizer is unset and {where} ships no tokenizer")
         return str(found)
+
+    def data_config(self, *, held_out: bool = False) -> DataConfig:
+        """The loader's record of data.sources (training) or, held_out, of eval.sources
+        (which must be set), with the run's window, micro-batch and seed."""
+        sources = self.eval.sources if held_out else self.data.sources
+        return self.data.loader_config(
+            sources,
+            seq_len=self.train.seq_len,
+            micro_batch_size=self.train.micro_batch_size,
+            seed=self.train.seed,
+            held_out=held_out,
+        )
 
     def data_parallel_size(self, world_size: int) -> int:
         tp = self.parallel.tensor_parallel

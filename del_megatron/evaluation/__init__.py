@@ -1,5 +1,7 @@
-"""Evaluation: teacher-forced numeric metrics, generation accuracy, reports (`del-eval`)."""
+"""Evaluation: the teacher-forced loop (`pipeline`, shared with the trainer), numeric metrics,
+generation accuracy, lm-evaluation-harness, comparison and reports (`del-eval`)."""
 
-from .numeric import NumericMetrics, batch_statistics
+from .numeric import batch_statistics, numeric_metrics
+from .pipeline import Evaluated, teacher_forced
 
-__all__ = ["NumericMetrics", "batch_statistics"]
+__all__ = ["Evaluated", "batch_statistics", "numeric_metrics", "teacher_forced"]

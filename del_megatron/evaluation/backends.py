@@ -26,7 +26,7 @@ class Loaded:
     path: Path
     tokenizer: Tokenizer
     forward: Any  # tokens [b, s] long -> logits [b, s, V] float32 (V: the tokenizer's size)
-    seq_len: int | None  # the training sequence length, when the checkpoint says it
+    device: torch.device  # where forward's logits are
     hf_model: Any = None  # the transformers model, for generation (Hugging Face directories)
 
 
@@ -55,6 +55,24 @@ def model_kind(path: Path) -> str:
     )
 
 
+def check_vocabulary(model_rows: int, tokenizer: Tokenizer, where: str) -> None:
+    """A model must have an embedding row for every token id its tokenizer can produce
+    (read before the weights load: otherwise an IndexError deep inside the forward)."""
+    if model_rows < tokenizer.vocab_size:
+        raise UserError(
+            f"{where}: vocab_size={model_rows} is smaller than its tokenizer's "
+            f"{tokenizer.vocab_size} tokens ({tokenizer.path}): the model and the tokenizer "
+            "do not belong together"
+        )
+
+
+def _hf_vocab_size(path: Path) -> int:
+    try:
+        return int(json.loads((path / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{path}/config.json: no vocab_size ({err})") from None
+
+
 def _single_process_groups() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -73,8 +91,6 @@ def load_model(path: Path, device: torch.device) -> Loaded:
 
 
 def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
-    import yaml
-
     from ..losses import NumericLossConfig
     from ..models.device import select_accelerator
     from ..models.llama import build_llama
@@ -87,8 +103,9 @@ def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
     if tokenizer_path is None:
         raise UserError(f"{path}/{WEIGHTS}: no tokenizer file beside the weights")
     tokenizer = Tokenizer(tokenizer_path)
-    _single_process_groups()
     arch = weights.arch
+    check_vocabulary(arch.vocab_size, tokenizer, f"{path}/{WEIGHTS}/arch.json")
+    _single_process_groups()
     model = build_llama(arch, tokenizer.digit_vocab, NumericLossConfig(kind="mle"), device)
     load_megatron(model, weights, arch.padded_vocab_size(1))
     model.eval()
@@ -100,11 +117,7 @@ def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
         with torch.no_grad():
             return model(tokens, positions, None)[..., :vocab].float()
 
-    seq_len = None
-    config = path / "run_config.yaml"
-    if config.is_file():
-        seq_len = yaml.safe_load(config.read_text())["train"]["seq_len"]
-    return Loaded("checkpoint", path, tokenizer, forward, seq_len)
+    return Loaded("checkpoint", path, tokenizer, forward, device)
 
 
 def _load_hf(path: Path, device: torch.device) -> Loaded:
@@ -115,6 +128,7 @@ def _load_hf(path: Path, device: torch.device) -> Loaded:
     if tokenizer_path is None:
         raise UserError(f"{path}: no tokenizer.json or tokenizer.model")
     tokenizer = Tokenizer(tokenizer_path)
+    check_vocabulary(_hf_vocab_size(path), tokenizer, f"{path}/config.json")
     from ..models.device import model_dtype
 
     dtype = model_dtype(device)
@@ -130,7 +144,7 @@ def _load_hf(path: Path, device: torch.device) -> Loaded:
         with torch.no_grad():
             return model(tokens.to(device)).logits[..., :vocab].float()
 
-    return Loaded("hf", path, tokenizer, forward, None, model)
+    return Loaded("hf", path, tokenizer, forward, device, model)
 
 
 def hf_directory(loaded: Loaded, scratch: Path) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,24 @@ from ..errors import UserError
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 STOPS = ("\n\n", "\nQuestion:")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationSettings:
+    problems: Path
+    """GSM8K-format jsonl (question, answer ending in '#### N')."""
+    shots: int = 4
+    """Few-shot examples."""
+    shots_file: Path | None = None
+    """Take the shots from here (None: the first problems, then left out)."""
+    template: str = DEFAULT_TEMPLATE
+    """Prompt of one problem, with {question}."""
+    limit: int | None = None
+    """At most this many problems."""
+    max_new_tokens: int = 256
+    backend: str = "transformers"
+    """transformers or vllm."""
+    batch_size: int = 8
 
 
 @dataclass(frozen=True)
@@ -177,3 +196,96 @@ def score(problems: list[Problem], completions: list[str]) -> dict:
         "mean_abs_error": sum(errors) / len(errors) if errors else float("nan"),
         "examples": records[:20],
     }
+
+
+def problems_and_shots(settings: GenerationSettings) -> tuple[list[Problem], list[Problem]]:
+    """The problems to answer and the few-shot examples (read before any model loads, so
+    that a wrong file costs nothing)."""
+    problems = load_problems(settings.problems, None)
+    if settings.shots_file:
+        shots = load_problems(settings.shots_file, settings.shots)
+    else:
+        shots, problems = problems[: settings.shots], problems[settings.shots :]
+    if settings.limit is not None:
+        problems = problems[: settings.limit]
+    if not problems:
+        raise UserError(f"{settings.problems}: no problems left after {settings.shots} shots")
+    return problems, shots
+
+
+def fitting_prompts(
+    lengths: list[int], max_new_tokens: int, shots: int, positions: int
+) -> list[int]:
+    """Which prompts leave room for --max-new-tokens within the model's positions (past them
+    a model's outputs are meaningless; transformers only warns). None fitting is refused."""
+    keep = [i for i, n in enumerate(lengths) if n + max_new_tokens <= positions]
+    if not keep:
+        raise UserError(
+            f"--gsm8k: no prompt ({min(lengths)} tokens or more with {shots} shots) leaves "
+            f"room for --max-new-tokens {max_new_tokens} within the model's "
+            f"max_position_embeddings={positions}: use fewer --shots or a smaller "
+            "--max-new-tokens"
+        )
+    return keep
+
+
+def generation_accuracy(
+    loaded,
+    settings: GenerationSettings,
+    problems: list[Problem],
+    shots: list[Problem],
+    *,
+    positions: int,
+    scratch: Path,
+    progress: bool,
+) -> dict:
+    """Greedy answers of `loaded` (backends.Loaded; a checkpoint runs as its export, written
+    once into `scratch`) scored against the gold answers; prompts that leave no room for the
+    answer within the model's `positions` are left out, and counted."""
+    from .backends import hf_directory, load_model
+
+    prompts = [prompt_of(p, shots, settings.template) for p in problems]
+    keep = fitting_prompts(
+        [len(loaded.tokenizer.encode(p)) for p in prompts],
+        settings.max_new_tokens,
+        len(shots),
+        positions,
+    )
+    left_out = len(prompts) - len(keep)
+    if left_out:
+        print(
+            f"del-eval: left out {left_out} of {len(prompts)} problems whose prompt plus "
+            f"--max-new-tokens {settings.max_new_tokens} exceeds the model's "
+            f"{positions} positions",
+            file=sys.stderr,
+            flush=True,
+        )
+        problems, prompts = [problems[i] for i in keep], [prompts[i] for i in keep]
+    if settings.backend == "vllm":
+        completions = generate_vllm(
+            hf_directory(loaded, scratch),
+            loaded.tokenizer,
+            prompts,
+            max_new_tokens=settings.max_new_tokens,
+        )
+    else:
+        model = loaded.hf_model
+        if model is None:  # a checkpoint: transformers runs its export
+            model = load_model(hf_directory(loaded, scratch), loaded.device).hf_model
+        completions = generate_transformers(
+            model,
+            loaded.tokenizer,
+            prompts,
+            max_new_tokens=settings.max_new_tokens,
+            batch_size=settings.batch_size,
+            progress=progress,
+        )
+    result = score(problems, completions)
+    result.update(
+        file=str(settings.problems),
+        shots=len(shots),
+        template=settings.template,
+        backend=settings.backend,
+        left_out_too_long=left_out,
+    )
+    return result

@@ -3,11 +3,22 @@ directory, so GSM8K / MATH / MMLU numbers come out the way they are reported els
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import UserError, one_line
+
+
+@dataclass(frozen=True, kw_only=True)
+class LmEvalSettings:
+    tasks: tuple[str, ...]
+    """lm-evaluation-harness task names."""
+    include: Path | None = None
+    """Directory of extra task YAMLs (local tasks)."""
+    limit: int | None = None
+    """At most this many documents a task."""
 
 
 def run_lm_eval(

@@ -56,64 +56,69 @@ def batch_statistics(
     place, decimal_point = digit_places(classes)
     is_digit = (classes >= 0) & (classes <= 9)
 
-    flat = logits.view(-1, vocab_size)
+    # Every quantity is computed at every position and masked (torch.where), never selected
+    # by a boolean index: an index by a mask has a data-dependent size, which on a GPU waits
+    # for the device each batch.
+    flat = logits.view(-1, vocab_size)  # [N, V], N = b * s
     log_z = torch.logsumexp(flat, dim=-1)
     target_logit = flat.gather(1, labels.reshape(-1, 1).clamp(0, vocab_size - 1)).squeeze(1)
     m = mask.flatten()
-    nll = (log_z - target_logit)[m].double()
+    nll = torch.where(m, log_z - target_logit, 0.0).double()
 
-    d = is_digit.flatten()
-    digit_logits = flat[d]  # [n, V]
-    target = classes.flatten()[d]  # [n]
-    class_logp = torch.log_softmax(_class_logits(digit_logits, vocab), dim=-1).double()
+    d = is_digit.flatten()  # [N]
+    weight = d.double()  # 1 at digit targets, 0 elsewhere
+    target = classes.flatten().clamp(0, 9)  # [N], the digit where d
+    class_logp = torch.log_softmax(_class_logits(flat, vocab), dim=-1).double()  # [N, 10]
     p = class_logp.exp()
     greedy = p.argmax(dim=-1)
-    cond_correct = greedy == target
-    row_max = digit_logits.max(dim=-1).values
-    full_correct = target_logit[d] >= row_max  # the target is a top token of the whole row
-    entropy = -(p * class_logp).sum(-1)
-    confidence = p.max(dim=-1).values
+    cond_correct = (greedy == target) & d
+    full_correct = (target_logit >= flat.max(dim=-1).values) & d  # a top token of the row
+    entropy = torch.where(d, -(p * class_logp).sum(-1), 0.0)
+    confidence = torch.where(d, p.max(dim=-1).values, 0.0)
 
-    places = place.flatten()[d]
+    places = torch.where(d, place.flatten(), 0)
     decimal = places < 0  # digit_places: decimal digits have negative places
     place_index = torch.where(decimal, MAX_PLACE - 1 - places, places).clamp(0, 2 * MAX_PLACE - 1)
     place_counts = torch.zeros(2 * MAX_PLACE, 2, dtype=torch.float64, device=device)
-    place_counts[:, 1].index_add_(0, place_index, torch.ones_like(places, dtype=torch.float64))
+    place_counts[:, 1].index_add_(0, place_index, weight)
     place_counts[:, 0].index_add_(0, place_index, cond_correct.double())
 
     entropy_bin = (entropy / math.log(10) * ENTROPY_BINS).long().clamp(0, ENTROPY_BINS - 1)
     entropy_hist = torch.zeros(ENTROPY_BINS, dtype=torch.float64, device=device)
-    entropy_hist.index_add_(0, entropy_bin, torch.ones_like(entropy))
+    entropy_hist.index_add_(0, entropy_bin, weight)
     conf_bin = (confidence * CALIBRATION_BINS).long().clamp(0, CALIBRATION_BINS - 1)
     # count, confidence, correct
     calibration = torch.zeros(CALIBRATION_BINS, 3, dtype=torch.float64, device=device)
-    calibration[:, 0].index_add_(0, conf_bin, torch.ones_like(confidence))
+    calibration[:, 0].index_add_(0, conf_bin, weight)
     calibration[:, 1].index_add_(0, conf_bin, confidence)
     calibration[:, 2].index_add_(0, conf_bin, cond_correct.double())
 
-    # numbers: value = sum of digit * 10^place, read from targets and from greedy digits
-    numbers = _number_ids(classes, decimal_point).flatten()[d]
-    count = int(numbers.max()) + 1 if numbers.numel() else 1
+    # numbers: value = sum of digit * 10^place, read from targets and from greedy digits.
+    # Number ids stay below b * s + 1 (one per position at most): a bound known without
+    # reading the largest id to the host. Id 0 collects the positions outside numbers, with
+    # weight 0 from every one of them.
+    numbers = torch.where(d, _number_ids(classes, decimal_point).flatten(), 0)
+    count = classes.numel() + 1
     scale = torch.pow(10.0, places.double())
-    per_number = torch.zeros(3, count, dtype=torch.float64, device=device)
-    true_value, greedy_value, wrong = per_number
-    true_value.index_add_(0, numbers, target * scale)
-    greedy_value.index_add_(0, numbers, greedy * scale)
-    wrong.index_add_(0, numbers, (~cond_correct).double())
-    has_digits = torch.zeros(count, dtype=torch.bool, device=device)
-    has_digits[numbers] = True
-    abs_error = (greedy_value - true_value).abs()[has_digits]
-    nonzero = true_value[has_digits] != 0
-    rel_error = abs_error[nonzero] / true_value[has_digits][nonzero].abs()
+    per_number = torch.zeros(4, count, dtype=torch.float64, device=device)
+    true_value, greedy_value, wrong, digits_in = per_number
+    true_value.index_add_(0, numbers, torch.where(d, target * scale, 0.0))
+    greedy_value.index_add_(0, numbers, torch.where(d, greedy * scale, 0.0))
+    wrong.index_add_(0, numbers, (d & ~cond_correct).double())
+    digits_in.index_add_(0, numbers, weight)
+    has_digits = digits_in > 0
+    abs_error = torch.where(has_digits, (greedy_value - true_value).abs(), 0.0)
+    nonzero = has_digits & (true_value != 0)
+    rel_error = torch.where(nonzero, abs_error / true_value.abs(), 0.0)
     return {
         "tokens": m.sum().double(),
         "nll": nll.sum(),
-        "digits": d.sum().double(),
+        "digits": weight.sum(),
         "digit_correct": full_correct.double().sum(),
         "digit_cond_correct": cond_correct.double().sum(),
         "entropy": entropy.sum(),
         "numbers": has_digits.sum().double(),
-        "numbers_exact": (wrong[has_digits] == 0).double().sum(),
+        "numbers_exact": (has_digits & (wrong == 0)).double().sum(),
         "abs_error": abs_error.sum(),
         "rel_numbers": nonzero.sum().double(),
         "rel_error": rel_error.sum(),
@@ -123,48 +128,38 @@ def batch_statistics(
     }
 
 
-class NumericMetrics:
-    """Sums `batch_statistics` over batches; `result()` gives the metrics."""
-
-    def __init__(self, vocab: DigitVocab) -> None:
-        self.vocab = vocab
-        self.totals: dict[str, torch.Tensor] = {}
-
-    def add(self, logits, labels, loss_mask) -> None:
-        for key, value in batch_statistics(logits, labels, loss_mask, self.vocab).items():
-            value = value.double()  # on the logits' device until result() reads it
-            self.totals[key] = self.totals[key] + value if key in self.totals else value
-
-    def result(self) -> dict:
-        t = {k: v.tolist() for k, v in self.totals.items()}
-        tokens, digits = t["tokens"], t["digits"]
-        loss = t["nll"] / tokens if tokens else float("nan")
-        by_place = {}
-        for index, (correct, count) in enumerate(t["places"]):
-            if count:
-                name = f"int_{index}" if index < MAX_PLACE else f"dec_{index - MAX_PLACE + 1}"
-                by_place[name] = correct / count
-        calibration_error = 0.0
-        for count, confidence, correct in t["calibration"]:
-            if count:
-                calibration_error += count / digits * abs(correct / count - confidence / count)
-        div = lambda a, b: a / b if b else float("nan")  # noqa: E731
-        return {
-            "tokens": int(tokens),
-            "loss": loss,
-            "perplexity": math.exp(loss) if loss == loss else float("nan"),
-            "digits": int(digits),
-            "digit_acc": div(t["digit_correct"], digits),
-            "digit_cond_acc": div(t["digit_cond_correct"], digits),
-            "digit_acc_by_place": by_place,
-            "numbers": int(t["numbers"]),
-            "number_exact_match": div(t["numbers_exact"], t["numbers"]),
-            "number_abs_error": div(t["abs_error"], t["numbers"]),
-            "number_rel_error": div(t["rel_error"], t["rel_numbers"]),
-            "digit_entropy": div(t["entropy"], digits),
-            "digit_entropy_histogram": {
-                "edges": [i * math.log(10) / ENTROPY_BINS for i in range(ENTROPY_BINS + 1)],
-                "counts": [int(c) for c in t["entropy_hist"]],
-            },
-            "digit_calibration_error": calibration_error if digits else float("nan"),
-        }
+def numeric_metrics(sums: dict) -> dict:
+    """The metrics from `batch_statistics` summed over batches (and ranks) and read to the
+    host (`pipeline.reduce_and_read`: floats and nested lists)."""
+    t = sums
+    tokens, digits = t["tokens"], t["digits"]
+    loss = t["nll"] / tokens if tokens else float("nan")
+    by_place = {}
+    for index, (correct, count) in enumerate(t["places"]):
+        if count:
+            name = f"int_{index}" if index < MAX_PLACE else f"dec_{index - MAX_PLACE + 1}"
+            by_place[name] = correct / count
+    calibration_error = 0.0
+    for count, confidence, correct in t["calibration"]:
+        if count:
+            calibration_error += count / digits * abs(correct / count - confidence / count)
+    div = lambda a, b: a / b if b else float("nan")  # noqa: E731
+    return {
+        "tokens": int(tokens),
+        "loss": loss,
+        "perplexity": math.exp(loss) if loss == loss else float("nan"),
+        "digits": int(digits),
+        "digit_acc": div(t["digit_correct"], digits),
+        "digit_cond_acc": div(t["digit_cond_correct"], digits),
+        "digit_acc_by_place": by_place,
+        "numbers": int(t["numbers"]),
+        "number_exact_match": div(t["numbers_exact"], t["numbers"]),
+        "number_abs_error": div(t["abs_error"], t["numbers"]),
+        "number_rel_error": div(t["rel_error"], t["rel_numbers"]),
+        "digit_entropy": div(t["entropy"], digits),
+        "digit_entropy_histogram": {
+            "edges": [i * math.log(10) / ENTROPY_BINS for i in range(ENTROPY_BINS + 1)],
+            "counts": [int(c) for c in t["entropy_hist"]],
+        },
+        "digit_calibration_error": calibration_error if digits else float("nan"),
+    }

@@ -94,22 +94,11 @@ def preflight(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
             f"tokenizer's {tokenizer.vocab_size} tokens ({cfg.data.tokenizer})"
         )
-    from ..data import DataConfig
-
-    for section, sources in (
-        ("data.sources", cfg.data.sources),
-        ("eval.sources", cfg.eval.sources),
-    ):
-        if not sources:
+    for section, held_out in (("data.sources", False), ("eval.sources", True)):
+        if held_out and not cfg.eval.sources:
             continue
-        probe = DataConfig(
-            sources=sources,
-            seq_len=cfg.train.seq_len,
-            micro_batch_size=cfg.train.micro_batch_size,
-            allow_pipe=cfg.data.allow_pipe,
-        )
         try:
-            load_manifests(probe, fingerprint, check_shards=True)
+            load_manifests(cfg.data_config(held_out=held_out), fingerprint, check_shards=True)
         except DataError as err:
             raise ConfigError(f"{section}: {err}") from None
     _writable(Path(cfg.output_dir))

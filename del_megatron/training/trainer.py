@@ -16,7 +16,7 @@ import torch
 
 from .. import collectives
 from ..config import ConfigError, RunConfig, deepspeed_config
-from ..data import DataConfig, StreamingLoader
+from ..data import StreamingLoader
 from ..errors import UserError
 from ..models.device import (
     batch_to_device,
@@ -27,7 +27,7 @@ from ..models.device import (
 )
 from . import progress
 from .initial_weights import initialize_weights
-from .metrics import PairSum, Reporter, StepMetrics
+from .metrics import PairSum, Reporter, StepMetrics, means
 from .schedule import lr_factor
 from .signals import StopRequest, agree
 
@@ -146,24 +146,6 @@ def setup(cfg: RunConfig) -> Run:
     )
 
 
-def data_config(
-    cfg: RunConfig, sources, *, epochs: int | None = None, shuffle: bool | None = None
-) -> DataConfig:
-    d = cfg.data
-    return DataConfig(
-        sources=sources,
-        seq_len=cfg.train.seq_len,
-        micro_batch_size=cfg.train.micro_batch_size,
-        seed=cfg.train.seed,
-        shuffle=d.shuffle if shuffle is None else shuffle,
-        mask_after_boundary=d.mask_after_boundary,
-        on_error=d.on_error,
-        allow_pipe=d.allow_pipe,
-        num_workers=d.num_workers if epochs is None else 0,
-        epochs=epochs,
-    )
-
-
 def _forward(run: Run, batch: dict[str, torch.Tensor]):
     """A micro-batch already on the compute device -> (loss sum, tokens, report pairs)."""
     from ..models import loss_func
@@ -175,23 +157,37 @@ def _forward(run: Run, batch: dict[str, torch.Tensor]):
 
 
 def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
-    """Loss and digit metrics on the held-out sources, one pass in file order."""
+    """Loss and digit metrics on the held-out sources, one pass in file order: the one
+    teacher-forced loop (`evaluation.pipeline`) scoring with the training forward, means of
+    its [sum, count] pairs over every rank of the data-parallel group."""
+    from ..evaluation.pipeline import teacher_forced
+
     if not run.cfg.eval.sources:
         return None
     loader = StreamingLoader(
-        data_config(run.cfg, run.cfg.eval.sources, epochs=1, shuffle=False),
+        run.cfg.data_config(held_out=True),
         run.dp_rank,
         run.dp_size,
         fingerprint=run.tokenizer.fingerprint,
         num_batches=max_batches,
     )
-    totals = PairSum()
+
+    def score(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _forward(run, batch)[2]  # {name: [sum, count]}
+
     run.engine.eval()
-    with torch.no_grad():
-        for batch in loader:
-            totals.add(_forward(run, batch_to_device(batch, run.device))[2])
-    run.engine.train()
-    return totals.reduce(run.dp_group)
+    try:
+        with torch.no_grad():
+            evaluated = teacher_forced(
+                loader, score, _pair_means, device=run.device, group=run.dp_group
+            )
+    finally:
+        run.engine.train()
+    return evaluated.metrics
+
+
+def _pair_means(sums: dict[str, list[float]]) -> dict[str, float]:
+    return means(list(sums), list(sums.values()))
 
 
 def next_micro_batches(
@@ -309,7 +305,7 @@ def train(
         loader = None
         if batches is None:
             loader = StreamingLoader(
-                data_config(cfg, cfg.data.sources),
+                cfg.data_config(),
                 run.dp_rank,
                 run.dp_size,
                 fingerprint=run.tokenizer.fingerprint,

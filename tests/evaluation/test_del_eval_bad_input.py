@@ -99,7 +99,8 @@ def test_help_names_compare(capsys):
 def test_windows_fit_the_model_and_are_shown(capsys, tmp_path):
     """--seq-len past the model's positions is refused before it loads; the table names the
     window length; compare notes results measured on different windows."""
-    from del_megatron.cli.eval import fitting_prompts, window_length
+    from del_megatron.evaluation.generation import fitting_prompts
+    from del_megatron.evaluation.heldout import window_length
     from del_megatron.evaluation.report import markdown_table
 
     model = tmp_path / "hf"
@@ -123,3 +124,58 @@ def test_windows_fit_the_model_and_are_shown(capsys, tmp_path):
     note = "note: the teacher-forced metrics come from windows of different lengths (a 128, b 256"
     assert note in capsys.readouterr().out
     assert note in (tmp_path / "c" / "comparison.md").read_text()
+
+
+@pytest.fixture
+def tiny_models(tmp_path, synth_tokenizer):
+    """A Hugging Face directory whose vocabulary is the tokenizer's (800), one whose
+    config.vocab_size (120) is smaller than its tokenizer's, and the latter converted to a
+    del-megatron weights directory (both 64 positions)."""
+    import shutil
+
+    from del_megatron.cli.convert import main as convert
+
+    from ..models.tiny_hf import tiny_hf_model
+
+    tiny_hf_model("llama-mha", tmp_path / "fits", vocab_size=800)
+    tiny_hf_model("llama-mha", tmp_path / "small")
+    for name in ("fits", "small"):
+        shutil.copy(synth_tokenizer, tmp_path / name / "tokenizer.model")
+    hf_to_megatron = ["hf-to-megatron", "--hf", tmp_path / "small", "--out", tmp_path / "weights"]
+    assert convert([str(a) for a in hf_to_megatron]) == 0
+    assert (tmp_path / "weights" / "model" / "tokenizer.model").is_file()
+    return tmp_path
+
+
+def test_a_model_smaller_than_its_tokenizer_is_refused_before_it_loads(
+    capsys, tiny_models, synth_shards
+):
+    """Before: an IndexError traceback of 65 lines from inside the forward (Hugging Face) or
+    the embedding (checkpoint); now one line naming both sizes, for both backends."""
+    for model, where in (("small", "small/config.json"), ("weights", "weights/model/arch.json")):
+        line = fails(capsys, tiny_models / model, "--heldout", synth_shards, "--quiet")
+        assert where in line, line
+        assert "vocab_size=120 is smaller than its tokenizer's 800 tokens" in line, line
+
+
+def test_windows_past_the_positions_are_refused_for_both_backends(
+    capsys, tiny_models, synth_shards
+):
+    for model in ("fits", "weights"):
+        line = fails(capsys, tiny_models / model, "--heldout", synth_shards, "--seq-len", "65")
+        assert line.endswith(
+            "--seq-len 65 exceeds the model's max_position_embeddings=64: choose --seq-len 64 "
+            "or less"
+        ), line
+
+
+def test_heldout_metrics_of_a_hugging_face_model(capsys, tiny_models, synth_shards, tmp_path):
+    """The teacher-forced loop end to end in this process: the default window is the model's
+    64 positions, --max-batches counts batches, the metrics are read."""
+    out = tmp_path / "out"
+    argv = ["--heldout", synth_shards, "--max-batches", "2", "--batch-size", "2", "--quiet"]
+    assert main([str(a) for a in [tiny_models / "fits", *argv, "--out", out]]) == 0
+    numeric = json.loads((out / "results.json").read_text())["numeric"]
+    assert numeric["seq_len"] == 64 and numeric["batches"] == 2
+    assert numeric["tokens"] == 2 * 2 * 64 and numeric["digits"] > 0
+    assert 0 < numeric["loss"] < 20 and "| windows (tokens) | 64 |" in capsys.readouterr().out

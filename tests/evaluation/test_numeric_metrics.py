@@ -1,4 +1,5 @@
-"""Teacher-forced numeric metrics on hand-built logits where every answer is known."""
+"""Teacher-forced numeric metrics on hand-built logits where every answer is known, summed by
+the one teacher-forced loop (`evaluation.pipeline`) that del-eval and the trainer share."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from del_megatron import DigitVocab
-from del_megatron.evaluation import NumericMetrics, batch_statistics
+from del_megatron.evaluation import batch_statistics, numeric_metrics, teacher_forced
 
 V = 30
 VOCAB = DigitVocab(digit_ids=list(range(10, 20)), point_ids=[20], vocab_size=V)
@@ -45,12 +46,24 @@ def logits_for(
     return torch.stack(rows)[None]
 
 
+def score(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batches here carry their logits (del-eval's score runs the model for them)."""
+    return batch_statistics(batch["logits"], batch["labels"], batch["loss_mask"], VOCAB)
+
+
+def evaluate(batches: list[dict[str, torch.Tensor]]) -> dict:
+    cpu = torch.device("cpu")
+    return teacher_forced(batches, score, numeric_metrics, device=cpu).metrics
+
+
+def batch(logits, labels, mask=None) -> dict[str, torch.Tensor]:
+    labels_t = torch.tensor(labels if isinstance(labels[0], list) else [labels])
+    mask_t = torch.ones(labels_t.shape) if mask is None else torch.tensor([mask], dtype=torch.float)
+    return {"logits": logits, "labels": labels_t, "loss_mask": mask_t}
+
+
 def run(labels, logits, mask=None) -> dict:
-    labels_t = torch.tensor([labels])
-    mask_t = torch.ones(1, len(labels)) if mask is None else torch.tensor([mask], dtype=torch.float)
-    metrics = NumericMetrics(VOCAB)
-    metrics.add(logits, labels_t, mask_t)
-    return metrics.result()
+    return evaluate([batch(logits, labels, mask)])
 
 
 def test_uniform_digit_distribution_has_entropy_ln_10():
@@ -84,9 +97,7 @@ def test_place_accuracy_on_a_hand_made_batch():
     second = tokens_of("x 9 1 0 x x x x x")
     wrong = [{1: 3}, {3: 2, 2: 0}]  # first: tens of 45; second: units and tens of 910
     logits = torch.cat([logits_for(first, wrong[0]), logits_for(second, wrong[1])])
-    stats = NumericMetrics(VOCAB)
-    stats.add(logits, torch.tensor([first, second]), torch.ones(2, len(first)))
-    result = stats.result()
+    result = evaluate([batch(logits, [first, second])])
     # int_0: 5 ok, 6 ok, 0 wrong; int_1: 4 wrong, 1 wrong; int_2: 9 ok; dec_1: 7; dec_2: 8
     assert result["digit_acc_by_place"] == pytest.approx(
         {"int_0": 2 / 3, "int_1": 0.0, "int_2": 1.0, "dec_1": 1.0, "dec_2": 1.0}
@@ -133,17 +144,86 @@ def test_loss_perplexity_masks_and_batches_add_up():
 
 def test_statistics_stay_where_the_logits_are():
     """Read as a GPU run: every statistic is made on the logits' device (a host buffer
-    index-added with device indices fails on CUDA) and nothing is read to the host per batch
-    but the count of numbers. tests/distributed/residency.py tells host from device on CPU."""
+    index-added with device indices fails on CUDA) and the loop reads nothing to the host
+    until its one read of all sums (before: the count of numbers, once a batch).
+    tests/distributed/residency.py tells host from device on CPU."""
+    from del_megatron.evaluation.pipeline import reduce_and_read, sum_scores
+
     from ..distributed.residency import Residency
 
     labels = tokens_of("x 12.5 x 3 x 40 x 7.25")
     logits = logits_for(labels, greedy={2: 4})
     residency = Residency()
     with residency:
-        metrics = NumericMetrics(VOCAB)
-        metrics.add(logits, torch.tensor([labels]), torch.ones(1, len(labels)))
-        metrics.add(logits, torch.tensor([labels]), torch.ones(1, len(labels)))
+        sums, count = sum_scores([batch(logits, labels)] * 2, score, torch.device("cpu"))
     assert residency.violations == []
-    assert residency.syncs["setup"] == 2  # the count of numbers, once a batch
-    assert metrics.result()["digits"] == 2 * sum(c.isdigit() for c in "12.5 3 40 7.25")
+    assert residency.syncs.get("setup", 0) == 0 and count == 2
+    assert numeric_metrics(reduce_and_read(sums, None))["digits"] == 2 * sum(
+        c.isdigit() for c in "12.5 3 40 7.25"
+    )
+
+
+def test_the_loop_sums_batches_as_one():
+    """Two batches through the loop give the metrics of the one batch holding both."""
+    first, second = tokens_of("x 4 5 x 6 . 7 8 x"), tokens_of("x 9 1 0 x x x x x")
+    a, b = logits_for(first, {1: 3}), logits_for(second, {3: 2, 2: 0}, p=0.6)
+    apart = evaluate([batch(a, first), batch(b, second)])
+    together = evaluate([batch(torch.cat([a, b]), [first, second])])
+    assert apart.keys() == together.keys()
+    for key, value in together.items():
+        if isinstance(value, float):
+            assert apart[key] == pytest.approx(value, rel=1e-12), key
+        else:
+            assert apart[key] == value, key
+
+
+def test_the_loop_reduced_over_two_ranks_equals_one_process(tmp_path):
+    """The data-parallel reduction: two gloo ranks each scoring half of the batches give the
+    metrics (and [sum, count] pairs) of one process scoring them all, within float64
+    rounding of the sums' order (1e-12 relative), counts exactly."""
+    import json
+
+    from ..distributed.launcher import run_torchrun
+
+    out = tmp_path / "pipeline.json"
+    run_torchrun("-m tests.evaluation.pipeline_ranks", 2, str(out))
+    result = json.loads(out.read_text())
+    ranks, alone = result["ranks"], result["alone"]
+    assert result["batches"] == 3 and ranks.keys() == alone.keys()
+    assert alone["digits"] > 100 and alone["numbers"] > 10
+    for key, value in alone.items():
+        if isinstance(value, float):
+            assert ranks[key] == pytest.approx(value, rel=1e-12), key
+        elif key == "pair":
+            assert ranks[key] == pytest.approx(value, rel=1e-12), key
+        else:
+            assert ranks[key] == value, key
+
+
+def test_no_operation_whose_size_depends_on_the_data():
+    """A boolean index (nonzero underneath) or a scalar read makes a GPU wait for the device
+    each batch; the loop and the statistics use neither (before: 12 boolean indexes a batch).
+    Seen on CPU at the dispatcher, below every Python-level call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from del_megatron.evaluation.pipeline import sum_scores
+
+    class DataDependent(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.found: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("nonzero", "masked_select", "_local_scalar_dense", "unique"):
+                self.found.append(name)
+            indices = args[1] if name == "index" else ()
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
+                self.found.append("index by a mask")
+            return func(*args, **(kwargs or {}))
+
+    labels = tokens_of("x 12.5 x 3 x 40 x 7.25")
+    logits = logits_for(labels, greedy={2: 4})
+    with DataDependent() as mode:
+        sum_scores([batch(logits, labels)] * 2, score, torch.device("cpu"))
+    assert mode.found == []
