@@ -407,7 +407,7 @@ class StreamingLoader:
             self.load_state_dict(saved[self.dp_rank], saved[0]["segment"]["taken"])
             return ""
         left = self._reshard(saved)
-        return "data: " + "; ".join(changes) + f"; {left}"
+        return "data: " + "; ".join([*changes, left] if left else changes)
 
     def _changes(self, saved: dict[str, Any]) -> list[str]:
         """What differs between a saved state and this loader, in words (empty: nothing)."""
@@ -484,9 +484,10 @@ class StreamingLoader:
             start.append(epoch)
             taken.append(per_epoch)
             if epoch in per_epoch:
-                left.append(f"{int((~per_epoch[epoch]).sum())} documents of epoch {epoch}")
+                rest = int((~per_epoch[epoch]).sum())
+                left.append(f"{url} continues with {rest} documents left of epoch {epoch}")
             else:
-                left.append(f"epoch {epoch} from its beginning")
+                left.append(f"{url} continues at the start of epoch {epoch}")
 
         handed = _hand_over(slot_states, self.slots)
         same_mix = [m for m in first["mix"]] == self._mix()
@@ -515,8 +516,7 @@ class StreamingLoader:
                 "skipped": list(skipped),
             }
         self.consumed = self.offset = 0
-        kept = [f"{url}: {what}" for (url, _), what in zip(self.manifests, left, strict=True)]
-        return "continues with " + ", ".join(kept)
+        return "; ".join(left)
 
     @property
     def skipped_shards(self) -> list[str]:
@@ -580,7 +580,7 @@ def _hand_over(
             continue
         tokens, mask, docs = handed[k % slots]
         pending_docs = state["pending_docs"]
-        overlap = len(state["pending_tokens"]) - sum(d[3] for d in pending_docs)
+        overlap = len(state["pending_tokens"]) - sum(d[-1] for d in pending_docs)
         drop = overlap if tokens else 0
         tokens += list(state["pending_tokens"][drop:])
         mask += list(state["pending_mask"][drop:])

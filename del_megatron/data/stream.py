@@ -33,8 +33,10 @@ class ReaderPosition:
 
 
 class DocumentAt(NamedTuple):
-    """A document and where it is: shard index in the manifest, sample index in the shard."""
+    """A document and where it is: the epoch, the shard's index in the manifest, the sample's
+    index in the shard."""
 
+    epoch: int
     shard: int
     sample: int
     document: Document
@@ -130,7 +132,7 @@ class SourceReader:
             if plan.striding and (pos.seen - 1) % self.slots != self.slot:
                 continue
             pos.taken += 1
-            return DocumentAt(shard, sample, doc)
+            return DocumentAt(pos.epoch, shard, sample, doc)
 
     def planned_tokens(self, epochs: int) -> int:
         """Tokens plus one EOS per document this slot reads from its position (the start of a
@@ -166,7 +168,7 @@ class SourceReader:
 @dataclass
 class Windows:
     """micro_batch_size packed windows: tokens [b, s+1] (uint32), target mask [b, s+1];
-    documents: [manifest, shard, sample, tokens] of each document whose tokens entered
+    documents: [manifest, epoch, shard, sample, tokens] of each document whose tokens entered
     training in these windows (a stream's first token counts: every document's tokens plus
     its EOS add up to len + 1 over the batches it spans)."""
 
@@ -185,8 +187,8 @@ class SlotStream:
     drawn: list[int] = field(default_factory=list)  # tokens taken from each source
     pending_tokens: list[np.ndarray] = field(default_factory=list)
     pending_mask: list[np.ndarray] = field(default_factory=list)
-    # [manifest, shard, sample, tokens] of the pending tokens not yet trained on, in order: all
-    # of them but the first, which the last window ended with (none before the first window)
+    # [manifest, epoch, shard, sample, tokens] of the pending tokens not yet trained on, in
+    # order: all but the first, which the last window ended with (none before the first window)
     pending_docs: list[list[Any]] = field(default_factory=list)
     batches: int = 0
     exhausted: list[bool] = field(default_factory=list)
@@ -229,7 +231,8 @@ class SlotStream:
                 self.pending_mask.append(mask)
             self.pending_tokens += [doc.tokens, self._eos]
             self.pending_mask.append(self._ones_view(0))  # keeps the two lists in step
-            self.pending_docs.append([self.readers[source].url, found.shard, found.sample, n + 1])
+            where = [self.readers[source].url, found.epoch, found.shard, found.sample]
+            self.pending_docs.append([*where, n + 1])
             self.drawn[source] += n + 1
             self.pending += n + 1
             return True
@@ -240,13 +243,13 @@ class SlotStream:
         pieces = []
         while count > 0 and self.pending_docs:
             head = self.pending_docs[0]
-            take = min(count, head[3])
-            pieces.append([*head[:3], take])
+            take = min(count, head[-1])
+            pieces.append([*head[:-1], take])
             count -= take
-            if take == head[3]:
+            if take == head[-1]:
                 self.pending_docs.pop(0)
             else:
-                self.pending_docs[0] = [*head[:3], head[3] - take]
+                self.pending_docs[0] = [*head[:-1], head[-1] - take]
         return pieces
 
     def next_windows(self) -> Windows | None:
@@ -259,7 +262,7 @@ class SlotStream:
         length = self.pending
         if length <= 1 and all(self.exhausted):
             return None
-        overlap = length - sum(d[3] for d in self.pending_docs)  # 1 after a window, else 0
+        overlap = length - sum(d[-1] for d in self.pending_docs)  # 1 after a window, else 0
         tokens = np.concatenate([*self.pending_tokens, np.zeros(0, np.uint32)])
         mask = np.concatenate([*self.pending_mask, np.zeros(0, np.uint8)])
         if length < need:  # the end of a finite stream: pad with masked EOS
@@ -318,7 +321,7 @@ class SlotStream:
         self.pending_tokens, self.pending_mask = ([tokens], [mask]) if len(tokens) else ([], [])
         self.pending = len(tokens)
         # version 1 did not say which documents were pending
-        unknown = [[None, -1, -1, len(tokens) - 1]] if len(tokens) > 1 else []
+        unknown = [[None, -1, -1, -1, len(tokens) - 1]] if len(tokens) > 1 else []
         self.pending_docs = [list(d) for d in state.get("pending_docs", unknown)]
         self.batches = state["batches"]
         self.skipped[:] = state["skipped"]
