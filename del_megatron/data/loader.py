@@ -9,8 +9,10 @@ loop has consumed, prefetched batches excluded.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,7 @@ from .config import DataConfig
 from .cursor import encode
 from .format import DataError, Manifest, check_listed_shards, read_manifest, resolve
 from .stream import STATE_VERSION, SlotStream, Windows, build_slot_stream
+from .trace import batch_line, start_line
 
 LOADER_STATE_VERSION = 2  # 2: the segment's taken sets, the mix and order; any layout
 READABLE_VERSIONS = (1, 2)
@@ -81,12 +84,16 @@ def check_resumable(
 class Segment:
     """The stretch of a run since its last change of layout or data mix: per source, the
     epoch its readers started in and the documents taken per epoch before it (cursor.py);
-    batch_limit: batches per slot until the end of finite epochs (None: streaming)."""
+    batch_limit: batches per slot until the end of finite epochs (None: streaming); id: names
+    it in the trace (the same for every pass over it); follows: the segment it continued and
+    the batches each of that segment's ranks had consumed."""
 
     number: int
     start: list[int]
     taken: list[dict[int, np.ndarray]]
     batch_limit: int | None = None
+    id: str = "0"
+    follows: dict[str, Any] | None = None
 
     def taken_text(self) -> list[dict[str, str]]:
         return [{str(e): encode(t) for e, t in per.items()} for per in self.taken]
@@ -276,6 +283,14 @@ class StreamingLoader:
             source = iter(dataset)
         with contextlib.ExitStack() as stack:
             trace = stack.enter_context(open(self.trace, "a")) if self.trace else None
+            if trace is not None:
+                segment = self.segment
+                trace.write(
+                    start_line(
+                        segment.id, self.dp_rank, self.consumed, segment.follows, time.time_ns()
+                    )
+                )
+                trace.flush()
             for batch in _worker_errors_as_one_line(source):
                 if self.num_batches is not None and self.consumed >= self.num_batches:
                     return
@@ -284,13 +299,10 @@ class StreamingLoader:
                 self.consumed += 1
                 self.offset = self.consumed % self.workers
                 if trace is not None:  # before the caller trains on it: a kill loses nothing
-                    line = {
-                        "segment": self.segment.number,
-                        "dp_rank": self.dp_rank,
-                        "consumed": self.consumed,
-                        "documents": _plain(documents),
-                    }
-                    trace.write(json.dumps(line) + "\n")
+                    line = batch_line(
+                        self.segment.id, self.dp_rank, self.consumed, _plain(documents)
+                    )
+                    trace.write(line)
                     trace.flush()
                 yield batch
 
@@ -328,6 +340,8 @@ class StreamingLoader:
             "settings": self._settings(),
             "segment": {
                 "number": self.segment.number,
+                "id": self.segment.id,
+                "follows": self.segment.follows,
                 "start": list(self.segment.start),
                 "batch_limit": self.segment.batch_limit,
                 # large, and the same on every rank: kept once (empty ones everywhere)
@@ -371,6 +385,8 @@ class StreamingLoader:
             list(segment["start"]),
             self._decode_taken(taken),
             segment["batch_limit"],
+            segment["id"],
+            segment["follows"],
         )
 
     def _decode_taken(self, taken: list[dict[str, str]]) -> list[dict[int, np.ndarray]]:
@@ -497,7 +513,18 @@ class StreamingLoader:
                 for i, tokens in enumerate((state or {}).get("drawn", [])):
                     drawn[i] += tokens
             drawn = [d // self.slots for d in drawn]
-        self.segment = Segment(segment["number"] + 1, start, taken)
+        follows = {
+            "segment": segment["id"],
+            "consumed": {str(r): saved[r]["consumed"] for r in range(old_dp)},
+        }
+        name = json.dumps([follows, self.dp_size, self.workers, self._mix(), self._settings()])
+        self.segment = Segment(
+            segment["number"] + 1,
+            start,
+            taken,
+            id=hashlib.sha256(name.encode()).hexdigest()[:12],
+            follows=follows,
+        )
         self.segment.batch_limit = self._batches_per_worker(
             self.segment, [len(tokens) for tokens, _, _ in handed]
         )

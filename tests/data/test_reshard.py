@@ -21,7 +21,14 @@ import pytest
 import torch
 
 from data_tools.build import build_shards
-from del_megatron.data import DataConfig, DataError, DataSource, StreamingLoader, read_manifest
+from del_megatron.data import (
+    DataConfig,
+    DataError,
+    DataSource,
+    StreamingLoader,
+    read_manifest,
+    trace,
+)
 from del_megatron.data.format import read_shard, resolve
 
 
@@ -81,7 +88,6 @@ class Run:
     def __init__(self, trace_dir: Path) -> None:
         self.trace_dir = trace_dir
         self.states: list[dict] | None = None
-        self.cuts: dict[int, int] = {}  # segment -> batches per rank its checkpoint holds
         self.messages: list[str] = []
         self.batch_counts: list[int] = []
 
@@ -105,7 +111,6 @@ class Run:
             for _ in range(take):
                 next(it)
         states = [json.loads(json.dumps(loader.state_dict())) for loader in loaders]
-        self.cuts[loaders[0].segment.number] = take
         self.lost = [[next(it) for _ in range(lost)] for it in iterators]
         for it in iterators:
             it.close()
@@ -113,17 +118,8 @@ class Run:
         self.states = [s for s in states for _ in range(2)]
 
     def trained(self) -> Counter:
-        """(manifest, epoch, shard, sample) -> tokens trained, from the kept trace lines."""
-        counts: Counter = Counter()
-        for path in self.trace_dir.glob("dp*.jsonl"):
-            for line in path.read_text().splitlines():
-                record = json.loads(line)
-                cut = self.cuts.get(record["segment"])
-                if cut is not None and record["consumed"] > cut:
-                    continue
-                for manifest, epoch, shard, sample, tokens in record["documents"]:
-                    counts[(manifest, epoch, shard, sample)] += tokens
-        return counts
+        """(manifest, epoch, shard, sample) -> tokens trained, from the trace."""
+        return trace.trained(self.trace_dir)
 
 
 def _epoch(counts: Counter, epoch: int) -> dict[tuple[str, int, int], int]:
