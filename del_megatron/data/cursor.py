@@ -18,6 +18,7 @@ import base64
 import hashlib
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -70,16 +71,29 @@ def slot_plan(
     taken: np.ndarray | None,
     slot: int,
     slots: int,
+    shards: list[int] | None = None,
 ) -> SlotPlan:
     """The shards `slot` of `slots` reads in `epoch` when `taken` [documents] (None: nothing)
-    were read before: fully taken shards leave the plan."""
-    shards = shard_order(manifest, order, epoch)
-    if taken is not None:
-        first = offsets(manifest)
-        shards = [s for s in shards if not taken[first[s] : first[s + 1]].all()]
+    were read before: fully taken shards leave the plan. shards: remaining_shards(...) if
+    the caller has it."""
+    if shards is None:
+        shards = remaining_shards(manifest, order, epoch, taken)
     striding = len(shards) < slots
     mine = shards if striding else shards[slot::slots]
     return SlotPlan([int(s) for s in mine], striding)
+
+
+def remaining_shards(
+    manifest: Manifest, order: Order, epoch: int, taken: np.ndarray | None
+) -> list[int]:
+    """The epoch's shard order without the shards whose every document was taken."""
+    shards = shard_order(manifest, order, epoch)
+    if taken is None:
+        return [int(s) for s in shards]
+    first = offsets(manifest)
+    counts = np.concatenate([[0], np.cumsum(taken)])
+    full = counts[first[1:]] - counts[first[:-1]] == first[1:] - first[:-1]
+    return [int(s) for s in shards if not full[s]]
 
 
 def left_in_shard(
@@ -102,11 +116,16 @@ def read_prefix(
     slots: int,
     position: dict[str, int] | None,
     skipped: set[int],
+    streams: dict[Any, Any] | None = None,
 ) -> np.ndarray:
     """Document numbers one slot took in `epoch` up to `position` (a SourceReader position in
     that epoch; None: its whole plan). Shards in `skipped` (unreadable to it) that it passed
-    count as taken: they stay skipped."""
-    plan = slot_plan(manifest, order, epoch, taken, slot, slots)
+    count as taken: they stay skipped. streams: the caller's cache of what is the same for every
+    slot (remaining shards, striding epochs' document streams), for calls of one `taken`."""
+    cache = {} if streams is None else streams
+    if ("shards", epoch) not in cache:
+        cache[("shards", epoch)] = remaining_shards(manifest, order, epoch, taken)
+    plan = slot_plan(manifest, order, epoch, taken, slot, slots, cache[("shards", epoch)])
     first = offsets(manifest)
     shard_pos = len(plan.shards) if position is None else position["shard_pos"]
     passed = set(plan.shards[:shard_pos])
@@ -118,11 +137,18 @@ def read_prefix(
             left = left_in_shard(manifest, order, epoch, shard, taken)
             out.append(first[shard] + left[: position["sample_pos"]])
     else:
-        readable = [s for s in plan.shards if s not in passed & skipped]
-        stream = np.concatenate(
-            [np.zeros(0, np.int64)]
-            + [first[s] + left_in_shard(manifest, order, epoch, s, taken) for s in readable]
-        )
+        unread = frozenset(passed & skipped)
+        stream = cache.get((epoch, unread))
+        if stream is None:
+            stream = np.concatenate(
+                [np.zeros(0, np.int64)]
+                + [
+                    first[s] + left_in_shard(manifest, order, epoch, s, taken)
+                    for s in plan.shards
+                    if s not in unread
+                ]
+            )
+            cache[(epoch, unread)] = stream
         seen = len(stream) if position is None else position["seen"]
         out.append(stream[slot:seen:slots])
     return np.concatenate([np.zeros(0, np.int64), *out]).astype(np.int64)

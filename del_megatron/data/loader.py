@@ -575,16 +575,19 @@ def _taken_after(
     for epoch in range(min(reached), max(reached) + 1):
         taken = before.get(epoch, np.zeros(manifest.documents, bool)).copy()
         prior = before.get(epoch)
+        streams: dict = {}  # one striding document stream per epoch, shared by the slots
         for slot, (position, skipped) in enumerate(zip(positions, unreadable, strict=True)):
             if epoch < position["epoch"]:  # that slot finished its part of the epoch
-                taken[
-                    cursor.read_prefix(manifest, order, epoch, prior, slot, slots, None, skipped)
-                ] = True
+                done = cursor.read_prefix(
+                    manifest, order, epoch, prior, slot, slots, None, skipped, streams
+                )
             elif epoch == position["epoch"] and "shard_pos" in position:
                 done = cursor.read_prefix(
-                    manifest, order, epoch, prior, slot, slots, position, skipped
+                    manifest, order, epoch, prior, slot, slots, position, skipped, streams
                 )
-                taken[done] = True
+            else:
+                continue
+            taken[done] = True
         epochs[epoch] = taken
     first = min(reached)
     while first in epochs and epochs[first].all():

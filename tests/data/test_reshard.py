@@ -30,6 +30,7 @@ from del_megatron.data import (
     trace,
 )
 from del_megatron.data.format import read_shard, resolve
+from del_megatron.data.loader import check_resumable
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +157,7 @@ def test_an_epoch_interrupted_twice_at_other_layouts_trains_every_document_once(
         run.segment(_cfg(sources, micro_batch_size=8, **extra), 1, take=400)
         assert "micro_batch_size 2 -> 8" in run.messages[1]
 
+    check_resumable(run.states, 1, 0, 2)  # a dry run lets any layout resume a version 2 state
     assert "data-parallel size 2 -> 3" in run.messages[0]
     assert "loader workers 1 -> 2" in run.messages[0]
     assert "data-parallel size 3 -> 1" in run.messages[1]
@@ -228,6 +230,9 @@ def test_version_1_state_loads_at_its_layout_and_is_refused_at_another(corpora):
         assert torch.equal(a["tokens"], b["tokens"])
     with pytest.raises(DataError) as err:
         StreamingLoader(cfg, 0, 1).resume(states)
+    with pytest.raises(DataError) as dry_run:  # preflight refuses it the same way
+        check_resumable(states, 1, 0, 2)
+    assert str(dry_run.value) == str(err.value)
     assert "\n" not in str(err.value)
     assert "was saved at data-parallel size 2, this run has 1: resume at data-parallel size 2" in (
         str(err.value)
