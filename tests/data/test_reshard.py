@@ -26,6 +26,7 @@ from del_megatron.data import (
     DataError,
     DataSource,
     StreamingLoader,
+    cursor,
     read_manifest,
     trace,
 )
@@ -237,3 +238,31 @@ def test_version_1_state_loads_at_its_layout_and_is_refused_at_another(corpora):
     assert "was saved at data-parallel size 2, this run has 1: resume at data-parallel size 2" in (
         str(err.value)
     )
+
+
+def test_slots_in_different_epochs_at_a_change_train_both_epochs_once(corpora, tmp_path):
+    few = corpora["few"]
+    run = Run(tmp_path)
+    cfg = _cfg([(few, 1.0)], epochs=2)
+    run.segment(cfg, 2, take=140)  # the slot with the smaller shard is into epoch 1 already
+    epochs = {s["workers"]["0"]["readers"][0]["epoch"] for s in run.states}
+    assert epochs == {0, 1}
+    run.segment(_cfg([(few, 1.0)], epochs=2, num_workers=2), 3, take=20)
+    run.segment(cfg, 1, take=None)
+    counts = run.trained()
+    assert _epoch(counts, 0) == _epoch(counts, 1) == _lengths(few)
+
+
+def test_a_skipped_shard_of_a_striding_source_stays_skipped(corpora, tmp_path):
+    shutil.copytree(corpora["few"].parent, tmp_path / "few")
+    few = tmp_path / "few" / "manifest.json"
+    manifest = read_manifest(str(few))
+    first = cursor.shard_order(manifest, cursor.Order(seed=5, shuffle=True, index=0), 0)[0]
+    victim = manifest.shards[first].name  # read first: every slot has passed it at the change
+    (few.parent / victim).write_bytes(b"garbage" * 100)
+    run = Run(tmp_path)
+    cfg = _cfg([(few, 1.0)], epochs=1, on_error="skip")  # 2 shards, 3 or 4 slots: striding
+    run.segment(cfg, 3, take=10)
+    run.segment(_cfg([(few, 1.0)], epochs=1, on_error="skip", num_workers=2), 2, take=5)
+    run.segment(cfg, 3, take=None)
+    assert _epoch(run.trained(), 0) == _lengths(few, {victim})
