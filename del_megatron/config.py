@@ -91,6 +91,9 @@ class DataSection(_Section):
     mask_after_boundary: bool = False
     on_error: Literal["skip", "fail"] = "fail"
     allow_pipe: bool = False
+    trace: str | None = None
+    """A directory: one JSON-lines file per data-parallel rank of the documents each batch
+    trained on (docs/data.md); for tests of what a run trained across resumes."""
 
     def loader_config(
         self,

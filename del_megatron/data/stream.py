@@ -11,32 +11,43 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .config import DataConfig
+from .cursor import Order, SlotPlan, left_in_shard, offsets, slot_plan
 from .format import DataError, Document, Manifest, read_shard, resolve
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 1
-
-
-def _rng(*key: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(list(key))))
+STATE_VERSION = 2  # 2: pending_docs (which documents the pending tokens are)
 
 
 @dataclass
 class ReaderPosition:
     epoch: int = 0
     shard_pos: int = 0  # index into this slot's shard plan for the epoch
-    sample_pos: int = 0  # index into the (permuted) samples of that shard
+    sample_pos: int = 0  # index into the (permuted, not yet taken) samples of that shard
     seen: int = 0  # samples passed in the epoch so far (for per-sample striding)
     taken: int = 0  # documents this slot took in the epoch so far
 
 
+class DocumentAt(NamedTuple):
+    """A document and where it is: the epoch, the shard's index in the manifest, the sample's
+    index in the shard."""
+
+    epoch: int
+    shard: int
+    sample: int
+    document: Document
+
+
 class SourceReader:
-    """The documents of one source that belong to one slot, in order."""
+    """The documents of one source that belong to one slot, in order.
+
+    taken: per epoch, the documents [manifest order] read before this segment of the run
+    (cursor.py); start_epoch: the epoch the segment starts in for this source.
+    """
 
     def __init__(
         self,
@@ -47,29 +58,29 @@ class SourceReader:
         slots: int,
         cfg: DataConfig,
         skipped: list[str],
+        taken: dict[int, np.ndarray] | None = None,
+        start_epoch: int = 0,
     ) -> None:
         self.url, self.manifest, self.index = url, manifest, index
         self.slot, self.slots, self.cfg = slot, slots, cfg
-        self.position = ReaderPosition()
-        self.striding = len(manifest.shards) < slots
+        self.order = Order(cfg.seed, cfg.shuffle, index)
+        self.taken = taken or {}
+        self.position = ReaderPosition(epoch=start_epoch)
         self.skipped = skipped  # shared per slot: names of skipped shards
-        self._loaded: tuple[tuple[int, int], list[Document]] | None = None
-        self._plan: tuple[int, list[int]] | None = None
+        self._loaded: tuple[tuple[int, int], list[tuple[int, Document]]] | None = None
+        self._plan: tuple[int, SlotPlan] | None = None
 
-    def plan(self, epoch: int) -> list[int]:
-        """Shard indices this slot reads in `epoch`."""
+    def plan(self, epoch: int) -> SlotPlan:
+        """The shards this slot reads in `epoch`."""
         if self._plan is None or self._plan[0] != epoch:
-            n = len(self.manifest.shards)
-            order = (
-                _rng(self.cfg.seed, self.index, epoch).permutation(n)
-                if self.cfg.shuffle
-                else np.arange(n)
+            plan = slot_plan(
+                self.manifest, self.order, epoch, self.taken.get(epoch), self.slot, self.slots
             )
-            mine = order if self.striding else order[self.slot :: self.slots]
-            self._plan = (epoch, [int(i) for i in mine])
+            self._plan = (epoch, plan)
         return self._plan[1]
 
-    def _shard(self, epoch: int, shard: int) -> list[Document]:
+    def _shard(self, epoch: int, shard: int) -> list[tuple[int, Document]]:
+        """(sample index, document) of a shard not yet taken, in reading order."""
         if self._loaded is not None and self._loaded[0] == (epoch, shard):
             return self._loaded[1]
         entry = self.manifest.shards[shard]
@@ -83,21 +94,26 @@ class SourceReader:
             if location not in self.skipped:
                 self.skipped.append(location)
             docs = []
-        if self.cfg.shuffle and docs:
-            order = _rng(self.cfg.seed, self.index, epoch, shard).permutation(len(docs))
-            docs = [docs[i] for i in order]
-        self._loaded = ((epoch, shard), docs)
-        return docs
+        order = (
+            left_in_shard(self.manifest, self.order, epoch, shard, self.taken.get(epoch))
+            if docs
+            else []
+        )
+        listed = [(int(i), docs[i]) for i in order]
+        self._loaded = ((epoch, shard), listed)
+        return listed
 
-    def next_document(self) -> Document | None:
+    def next_document(self) -> DocumentAt | None:
         """The next document, or None once cfg.epochs epochs are done."""
         pos = self.position
         while True:
             if self.cfg.epochs is not None and pos.epoch >= self.cfg.epochs:
                 return None
             plan = self.plan(pos.epoch)
-            if pos.shard_pos >= len(plan):
-                if pos.taken == 0:  # streaming on would loop forever without a document
+            if pos.shard_pos >= len(plan.shards):
+                # a whole epoch without a document would stream on forever; the rest of an
+                # epoch (after a layout change) may leave this slot nothing
+                if pos.taken == 0 and self.taken.get(pos.epoch) is None:
                     raise DataError(
                         f"{self.url}: no readable document for data-parallel slot {self.slot} "
                         f"of {self.slots} (fewer documents than ranks x workers, or every "
@@ -105,30 +121,38 @@ class SourceReader:
                     )
                 self.position = pos = ReaderPosition(epoch=pos.epoch + 1)
                 continue
-            docs = self._shard(pos.epoch, plan[pos.shard_pos])
+            shard = plan.shards[pos.shard_pos]
+            docs = self._shard(pos.epoch, shard)
             if pos.sample_pos >= len(docs):
                 pos.shard_pos, pos.sample_pos = pos.shard_pos + 1, 0
                 continue
-            doc = docs[pos.sample_pos]
+            sample, doc = docs[pos.sample_pos]
             pos.sample_pos += 1
             pos.seen += 1
-            if self.striding and (pos.seen - 1) % self.slots != self.slot:
+            if plan.striding and (pos.seen - 1) % self.slots != self.slot:
                 continue
             pos.taken += 1
-            return doc
+            return DocumentAt(pos.epoch, shard, sample, doc)
 
     def planned_tokens(self, epochs: int) -> int:
-        """Tokens plus one EOS per document this slot reads in `epochs` epochs (manifest counts;
-        per-sample striding reads the shards to count)."""
+        """Tokens plus one EOS per document this slot reads from its position (the start of a
+        segment) to the end of epoch `epochs` - 1 (manifest counts for untouched shards; the
+        rest are read to count)."""
         total = 0
-        for epoch in range(epochs):
-            if not self.striding:
-                shards = [self.manifest.shards[i] for i in self.plan(epoch)]
-                total += sum(e.tokens + e.samples for e in shards)
+        first = offsets(self.manifest)
+        for epoch in range(self.position.epoch, epochs):
+            plan, taken = self.plan(epoch), self.taken.get(epoch)
+            if not plan.striding:
+                for shard in plan.shards:
+                    if taken is None or not taken[first[shard] : first[shard + 1]].any():
+                        entry = self.manifest.shards[shard]
+                        total += entry.tokens + entry.samples
+                    else:
+                        total += sum(len(d.tokens) + 1 for _, d in self._shard(epoch, shard))
                 continue
             seen = 0
-            for shard in self.plan(epoch):
-                for doc in self._shard(epoch, shard):
+            for shard in plan.shards:
+                for _, doc in self._shard(epoch, shard):
                     if seen % self.slots == self.slot:
                         total += len(doc.tokens) + 1
                     seen += 1
@@ -143,10 +167,14 @@ class SourceReader:
 
 @dataclass
 class Windows:
-    """micro_batch_size packed windows: tokens [b, s+1] (uint32), target mask [b, s+1]."""
+    """micro_batch_size packed windows: tokens [b, s+1] (uint32), target mask [b, s+1];
+    documents: [manifest, epoch, shard, sample, tokens] of each document whose tokens entered
+    training in these windows (a stream's first token counts: every document's tokens plus
+    its EOS add up to len + 1 over the batches it spans)."""
 
     tokens: np.ndarray
     mask: np.ndarray
+    documents: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -159,6 +187,9 @@ class SlotStream:
     drawn: list[int] = field(default_factory=list)  # tokens taken from each source
     pending_tokens: list[np.ndarray] = field(default_factory=list)
     pending_mask: list[np.ndarray] = field(default_factory=list)
+    # [manifest, epoch, shard, sample, tokens] of the pending tokens not yet trained on, in
+    # order: all but the first, which the last window ended with (none before the first window)
+    pending_docs: list[list[Any]] = field(default_factory=list)
     batches: int = 0
     exhausted: list[bool] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -183,10 +214,11 @@ class SlotStream:
                 (i for i in range(len(self.readers)) if not self.exhausted[i]),
                 key=lambda i: self.drawn[i] / self.weights[i],
             )
-            doc = self.readers[source].next_document()
-            if doc is None:
+            found = self.readers[source].next_document()
+            if found is None:
                 self.exhausted[source] = True
                 continue
+            doc = found.document
             n = len(doc.tokens)
             if doc.mask is None and not self.cfg.mask_after_boundary:
                 self.pending_mask += [self._ones_view(n + 1)]
@@ -199,10 +231,26 @@ class SlotStream:
                 self.pending_mask.append(mask)
             self.pending_tokens += [doc.tokens, self._eos]
             self.pending_mask.append(self._ones_view(0))  # keeps the two lists in step
+            where = [self.readers[source].url, found.epoch, found.shard, found.sample]
+            self.pending_docs.append([*where, n + 1])
             self.drawn[source] += n + 1
             self.pending += n + 1
             return True
         return False
+
+    def _trained(self, count: int) -> list[list[Any]]:
+        """The first `count` untrained pending tokens, as pieces of documents."""
+        pieces = []
+        while count > 0 and self.pending_docs:
+            head = self.pending_docs[0]
+            take = min(count, head[-1])
+            pieces.append([*head[:-1], take])
+            count -= take
+            if take == head[-1]:
+                self.pending_docs.pop(0)
+            else:
+                self.pending_docs[0] = [*head[:-1], head[-1] - take]
+        return pieces
 
     def next_windows(self) -> Windows | None:
         """The next micro-batch of windows, None when every source is exhausted (finite
@@ -214,6 +262,7 @@ class SlotStream:
         length = self.pending
         if length <= 1 and all(self.exhausted):
             return None
+        overlap = length - sum(d[-1] for d in self.pending_docs)  # 1 after a window, else 0
         tokens = np.concatenate([*self.pending_tokens, np.zeros(0, np.uint32)])
         mask = np.concatenate([*self.pending_mask, np.zeros(0, np.uint8)])
         if length < need:  # the end of a finite stream: pad with masked EOS
@@ -222,11 +271,13 @@ class SlotStream:
         starts = np.arange(b) * s
         index = starts[:, None] + np.arange(s + 1)[None, :]
         out = Windows(tokens=tokens[index], mask=mask[index])
+        out.documents = self._trained(min(length, need) - overlap)
         if length >= need:  # keep the last token: the next window starts with it
             self.pending_tokens, self.pending_mask = [tokens[b * s :]], [mask[b * s :]]
             self.pending = length - b * s
         else:
             self.pending_tokens, self.pending_mask, self.pending = [], [], 0
+            self.pending_docs = []
             self.exhausted = [True] * len(self.readers)
         self.batches += 1
         return out
@@ -246,12 +297,13 @@ class SlotStream:
             "pending_mask": (
                 np.concatenate(self.pending_mask) if self.pending_mask else np.zeros(0, np.uint8)
             ),
+            "pending_docs": [list(d) for d in self.pending_docs],
             "batches": self.batches,
             "skipped": list(self.skipped),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in (1, STATE_VERSION):
             raise DataError(
                 f"data-loader state version {state.get('version')} is not {STATE_VERSION}"
             )
@@ -268,16 +320,35 @@ class SlotStream:
         mask = np.array(state["pending_mask"], dtype=np.uint8)
         self.pending_tokens, self.pending_mask = ([tokens], [mask]) if len(tokens) else ([], [])
         self.pending = len(tokens)
+        # version 1 did not say which documents were pending
+        unknown = [[None, -1, -1, -1, len(tokens) - 1]] if len(tokens) > 1 else []
+        self.pending_docs = [list(d) for d in state.get("pending_docs", unknown)]
         self.batches = state["batches"]
         self.skipped[:] = state["skipped"]
 
 
 def build_slot_stream(
-    cfg: DataConfig, manifests: list[tuple[str, Manifest]], slot: int, slots: int
+    cfg: DataConfig,
+    manifests: list[tuple[str, Manifest]],
+    slot: int,
+    slots: int,
+    taken: list[dict[int, np.ndarray]] | None = None,
+    start: list[int] | None = None,
 ) -> SlotStream:
+    """taken / start: per source, what the run's segment began with (cursor.py)."""
     skipped: list[str] = []
     readers = [
-        SourceReader(url, manifest, i, slot, slots, cfg, skipped)
+        SourceReader(
+            url,
+            manifest,
+            i,
+            slot,
+            slots,
+            cfg,
+            skipped,
+            taken[i] if taken else None,
+            start[i] if start else 0,
+        )
         for i, (url, manifest) in enumerate(manifests)
     ]
     return SlotStream(

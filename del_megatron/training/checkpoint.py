@@ -254,10 +254,9 @@ def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
             raise CheckpointError(f"{rng_path}: unreadable ({one_line(err)[:200]})") from None
     if loader is not None:
         states = json.loads((path / "data_state.json").read_text())  # checked above
-        if same_layout:
-            loader.load_state_dict(states[run.rank])
-        else:
-            loader.consume_elsewhere(states, meta["step"] * run.cfg.train.global_batch_size)
+        message = loader.resume(states)  # any layout and data mix: what changed, in a line
+        if message and run.is_main:
+            print(message, flush=True)
     return int(meta["step"])
 
 

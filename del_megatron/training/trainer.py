@@ -146,6 +146,20 @@ def setup(cfg: RunConfig) -> Run:
     )
 
 
+def trace_file(cfg: RunConfig, dp_rank: int) -> str | None:
+    """This rank's file of trained documents under data.trace (None: no trace), one per
+    data-parallel rank, written by its first tensor-parallel rank (its peers get the same
+    batches)."""
+    from pathlib import Path
+
+    from megatron.core import parallel_state
+
+    if cfg.data.trace is None or parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None
+    Path(cfg.data.trace).mkdir(parents=True, exist_ok=True)
+    return str(Path(cfg.data.trace) / f"dp{dp_rank:05d}.jsonl")
+
+
 def _forward(run: Run, batch: dict[str, torch.Tensor]):
     """A micro-batch already on the compute device -> (loss sum, tokens, report pairs)."""
     from ..models import loss_func
@@ -309,6 +323,7 @@ def train(
                 run.dp_rank,
                 run.dp_size,
                 fingerprint=run.tokenizer.fingerprint,
+                trace=trace_file(cfg, run.dp_rank),
             )
         result = TrainResult()
         start = 0
