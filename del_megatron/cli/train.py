@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config import dump_run_config, load_run_config
 from ..errors import UserError
+from ..losses import Objective
 from .arguments import positive_float, positive_int
 
 # "Stopped on request, checkpoint saved: run me again" (sysexits.h EX_TEMPFAIL, "try again
@@ -26,10 +27,11 @@ EXIT_STOPPED = 75
 def objective_name(loss) -> str:
     """What the training loss adds up, in words: 'CE' for mle, 'CE + 0.1·del' for the kinds
     that add a numeric term, the kind's own name for those that reshape CE (mixce, emo)."""
-    if loss.kind == "mle":
-        return "CE"
-    if loss.kind in ("mixce", "emo"):
+    kind = loss.kind_spec
+    if kind.objective is not Objective.CE:
         return f"{loss.kind} objective"
+    if kind.digit_term is None:
+        return "CE"
     return f"CE + {loss.resolved_alpha:g}·{loss.kind}"
 
 

@@ -2,6 +2,8 @@
 
 from .assemble import REPORT_PAIRS, STAT_KEYS, NumericLossOutput, report_pairs
 from .config import DEFAULT_ALPHA, DIGIT_KINDS, LossKind, NumericLossConfig
+from .head import NumericLossHead, default_chunk_tokens
+from .kinds import KINDS, Kind, Objective
 from .places import digit_places, place_weights
 from .reference import emo_cost_embedding, numeric_loss
 from .vocab import POINT_CLASS, DigitVocab, TokenizerError
@@ -10,14 +12,19 @@ from .vocab_parallel import vocab_parallel_numeric_loss
 __all__ = [
     "DEFAULT_ALPHA",
     "DIGIT_KINDS",
+    "KINDS",
     "POINT_CLASS",
     "REPORT_PAIRS",
     "STAT_KEYS",
     "DigitVocab",
+    "Kind",
     "LossKind",
     "NumericLossConfig",
+    "NumericLossHead",
     "NumericLossOutput",
+    "Objective",
     "TokenizerError",
+    "default_chunk_tokens",
     "digit_places",
     "emo_cost_embedding",
     "numeric_loss",

@@ -8,21 +8,26 @@ target is the argmax) their own way, then call `assemble`, so they cannot drift 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from .config import DIGIT_KINDS, NumericLossConfig
+from .config import NumericLossConfig
+from .kinds import Objective, numeric_term
 from .places import digit_places, place_weights
-from .terms import digit_entropy, numeric_term
+from .terms import digit_entropy
 from .vocab import NOT_A_CLASS, POINT_CLASS, DigitVocab
 
 
-@dataclass(frozen=True)
-class NumericLossOutput:
+class NumericLossOutput(NamedTuple):
     """loss, ce, numeric: scalars with loss = ce + alpha * numeric for the digit kinds (for
     mixce and emo, loss is their objective, ce the plain CE, numeric 0 / the EMO cost).
     per_token: labels' shape; per_token.sum() / stats['tokens'] == loss.
-    stats: 0-dim float64 sums and counts (see STAT_KEYS), exact to reduce across ranks."""
+    stats: 0-dim float64 sums and counts (see STAT_KEYS), exact to reduce across ranks.
+
+    A named tuple, not a dataclass: a model's forward returns it, and wrappers that hook the
+    tensors a module returns (DeepSpeed ZeRO 3 re-gathers parameters for backward through
+    them) walk tuples and dicts, not dataclasses."""
 
     loss: torch.Tensor
     ce: torch.Tensor
@@ -156,10 +161,11 @@ def assemble(
     ce = ce_sum / token_denominator
 
     # ---- the token-level objective (CE, or MixCE / EMO reweighting of it)
-    if cfg.kind == "mixce":
+    kind = cfg.kind_spec
+    if kind.objective is Objective.MIXCE:
         keep = torch.exp(-ce_per_token).detach()
         per_token = (cfg.mixce_eta + (1 - cfg.mixce_eta) * keep) * ce_per_token * valid
-    elif cfg.kind == "emo":
+    elif kind.objective is Objective.EMO:
         if emo_cost is None:
             raise ValueError("kind='emo' needs the EMO transport cost (pass cost_embedding)")
         emo_sum = (emo_cost * valid).sum()
@@ -174,7 +180,7 @@ def assemble(
     num_digits = torch.tensor(float(targets.rows.numel()), dtype=dtype, device=valid.device)
     numeric_sum = torch.zeros((), dtype=dtype, device=valid.device)
     alpha = cfg.resolved_alpha
-    if cfg.kind in DIGIT_KINDS:
+    if kind.digit_term is not None:
         weighted = targets.weights * numeric_term(class_logits, targets.classes, cfg)  # [n]
         numeric_sum = weighted.sum()
         numeric_count = num_digits if cfg.normalize == "digits" else num_tokens
@@ -183,7 +189,7 @@ def assemble(
         scale = alpha * token_denominator / numeric_count.clamp_min(1)
         per_token = per_token.index_add(0, targets.rows, scale * weighted)
         loss = base_loss + alpha * numeric
-    elif cfg.kind == "emo":
+    elif kind.objective is Objective.EMO:
         numeric_sum = (emo_cost * valid).sum()
         numeric_count = num_tokens
         numeric = numeric_sum / token_denominator

@@ -10,20 +10,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LossKind = Literal["mle", "del", "del_distance", "ntl_was", "ntl_mse", "dist2", "mixce", "emo"]
+from .kinds import KINDS, Kind, LossKind
 
 # Kinds whose numeric part is computed from the digit-class logits at digit positions.
-DIGIT_KINDS: frozenset[str] = frozenset({"del", "del_distance", "ntl_was", "ntl_mse", "dist2"})
+DIGIT_KINDS: frozenset[str] = frozenset(k for k, v in KINDS.items() if v.digit_term is not None)
 
-# Coefficient of the numeric part when `alpha` is not given: the DEL authors' 0.1, the NTL
-# paper's 0.3, the DIST2 paper's 0.1.
-DEFAULT_ALPHA: dict[str, float] = {
-    "del": 0.1,
-    "del_distance": 0.1,
-    "ntl_was": 0.3,
-    "ntl_mse": 0.3,
-    "dist2": 0.1,
-}
+# Coefficient of the numeric part when `alpha` is not given (kinds.KINDS).
+DEFAULT_ALPHA: dict[str, float] = {k: KINDS[k].default_alpha for k in sorted(DIGIT_KINDS)}
 
 
 class NumericLossConfig(BaseModel):
@@ -74,33 +67,50 @@ class NumericLossConfig(BaseModel):
     values and gradients as the unfused path."""
 
     fused_chunk_tokens: int = Field(default=0, ge=0)
-    """Tokens per chunk of the fused path; 0 chooses by device (models/device.py)."""
+    """Tokens per chunk of the fused path; 0 takes the device's default
+    (`losses/head.py`, `default_chunk_tokens`)."""
+
+    fused_recompute: bool = False
+    """Fused path only: form no gradient in forward and make each chunk's logits again in
+    backward (a fourth product, about 4/3 of the time). Saves the float32 [V/tp, h] weight
+    gradient held from forward to backward, which matters where `.grad` is kept between
+    micro-batches (ZeRO 1 with gradient accumulation; docs/benchmarks.md)."""
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> NumericLossConfig:
-        if self.include_decimal_point and self.kind != "del":
+        if self.include_decimal_point and not self.kind_spec.decimal_point_class:
             raise ValueError(
                 f"include_decimal_point=True needs kind='del' (kind={self.kind!r} measures "
                 "distances between digit values and '.' has none); set include_decimal_point=false"
             )
-        if self.place_weighting and self.kind not in DIGIT_KINDS:
+        if self.place_weighting and self.kind_spec.digit_term is None:
             raise ValueError(
                 f"place_weighting=True has no effect for kind={self.kind!r}: it weighs digit "
                 f"positions of {sorted(DIGIT_KINDS)}; leave place_weighting unset"
             )
+        if self.fused_recompute and not self.fused_output:
+            raise ValueError(
+                "fused_recompute=True applies to the fused path only; set fused_output=true "
+                "or leave fused_recompute unset"
+            )
         return self
+
+    @property
+    def kind_spec(self) -> Kind:
+        """What `kind` is made of (kinds.KINDS)."""
+        return KINDS[self.kind]
 
     @property
     def resolved_alpha(self) -> float:
         """The coefficient actually applied to the numeric part (0 for kinds without one)."""
-        if self.kind not in DIGIT_KINDS:
+        if self.kind_spec.digit_term is None:
             return 0.0
-        return DEFAULT_ALPHA[self.kind] if self.alpha is None else self.alpha
+        return self.kind_spec.default_alpha if self.alpha is None else self.alpha
 
     @property
     def resolved_place_weighting(self) -> bool:
         if self.place_weighting is None:
-            return self.kind in ("del", "del_distance")
+            return self.kind_spec.place_weighting
         return self.place_weighting
 
     @property

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from .. import collectives
 from .assemble import NumericLossOutput, compute_dtype
-from .config import DIGIT_KINDS, NumericLossConfig
-from .terms import numeric_term
+from .config import NumericLossConfig
+from .kinds import Objective, numeric_term
 from .vocab import DigitVocab
 from .vocab_parallel import (
     Prepared,
@@ -41,8 +41,6 @@ from .vocab_parallel import (
     parts_from_sums,
     prepare_vocab_parallel,
 )
-
-DEFAULT_CHUNK_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ def token_weights(prepared: Prepared, cfg: NumericLossConfig, dtype: torch.dtype
     count = valid.numel()
     classes = torch.zeros(count, dtype=torch.long, device=valid.device)
     weight = torch.zeros(count, dtype=dtype, device=valid.device)
-    if cfg.kind in DIGIT_KINDS and rows_sb.numel():
+    if cfg.kind_spec.digit_term is not None and rows_sb.numel():
         tokens = targets.valid.sum().to(dtype)
         numeric_count = (
             torch.tensor(float(rows_sb.numel()), dtype=dtype, device=valid.device)
@@ -83,10 +81,11 @@ def predicted_gradients(
     """d per_token.sum() / d (ce [c], class logits [c, K]) of a chunk's rows (`rows` sliced
     to them): the incoming gradient of `loss`, up to one constant factor."""
     grad_ce = rows.valid
-    if cfg.kind == "mixce":  # the weight eta + (1 - eta) sg(exp(-CE)) of each token
+    if cfg.kind_spec.objective is Objective.MIXCE:
+        # the weight eta + (1 - eta) sg(exp(-CE)) of each token
         grad_ce = (cfg.mixce_eta + (1 - cfg.mixce_eta) * torch.exp(-ce)) * rows.valid
     grad_class = torch.zeros_like(class_logits)
-    if cfg.kind in DIGIT_KINDS:
+    if cfg.kind_spec.digit_term is not None:
         # every row of the chunk, weighted by 0 off the digit positions: [c, K] is small, and
         # selecting the digit rows would wait for the device on every chunk
         with torch.enable_grad():
@@ -438,7 +437,7 @@ def vocab_parallel_fused_numeric_loss(
     group: dist.ProcessGroup | None = None,
     *,
     cost_embedding: torch.Tensor | None = None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int,
     recompute: bool = False,
 ) -> NumericLossOutput:
     """`vocab_parallel_numeric_loss(hidden @ output_weight_shard.T, ...)` without the logits.
@@ -446,6 +445,7 @@ def vocab_parallel_fused_numeric_loss(
     hidden: [s, b, h] (the output layer's input, not sequence-parallel); output_weight_shard:
     [V/tp, h], this rank's rows of the (padded) vocabulary; labels, loss_mask: [b, s].
     Gradients flow to `hidden` (this rank's part, as for the product) and the weight shard.
+    chunk_tokens: rows per chunk (no default here: `NumericLossHead` holds the one default).
     recompute: form no gradient in forward (hold no float32 [V/tp, h] weight gradient from
     forward to backward) and make each chunk's logits again in backward: a fourth product.
     """
@@ -473,8 +473,8 @@ def vocab_parallel_fused_numeric_loss(
     )
     wanted = (hidden.requires_grad, output_weight_shard.requires_grad)
     plan = None
-    # EMO's per-token weight is a ratio of sums over every chunk: not known in forward
-    if torch.is_grad_enabled() and any(wanted) and not recompute and cfg.kind != "emo":
+    known = cfg.kind_spec.per_token_weights_known_in_forward
+    if torch.is_grad_enabled() and any(wanted) and not recompute and known:
         plan = (token_weights(prepared, cfg, compute_dtype(hidden.dtype)), cfg, wanted)
     ce, class_logits, target_is_max, emo = _FusedParts.apply(
         hidden.reshape(seq * batch, width),
@@ -485,7 +485,7 @@ def vocab_parallel_fused_numeric_loss(
         prepared.vocab_start,
         prepared.vocab_size,
         prepared.group,
-        cost_embedding if cfg.kind == "emo" else None,
+        cost_embedding if cfg.kind_spec.needs_cost_embedding else None,
         chunk_tokens,
         plan,
     )

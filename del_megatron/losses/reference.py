@@ -86,7 +86,7 @@ def numeric_loss(
         target_is_max = target_logit.squeeze(1) >= digit_rows.amax(-1)
 
     emo_cost = None
-    if cfg.kind == "emo":
+    if cfg.kind_spec.needs_cost_embedding:
         emo_cost = _emo_cost(flat[:, :vocab_size], targets.safe_labels, cost_embedding, dtype)
     return assemble(
         targets, ce, class_logits.index_select(0, targets.rows), target_is_max, cfg, emo_cost

@@ -2,14 +2,13 @@
 
 Pure functions on small tensors: class_logits [n, K] (K = 10, or 11 with '.'), target class
 [n] long, digit values v_k = k. Each returns l_t [n]; place weights are applied by the caller.
+Which term a loss kind uses: `kinds.KINDS`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from .config import NumericLossConfig
 
 
 def _digit_distance(class_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -51,26 +50,6 @@ def dist2_term(class_logits: torch.Tensor, target: torch.Tensor, *, tau: float) 
     log_q = torch.log_softmax(-(_digit_distance(class_logits, target) ** 2) / tau, dim=-1)
     log_p = torch.log_softmax(class_logits, dim=-1)
     return (log_q.exp() * (log_q - log_p)).sum(-1)
-
-
-def numeric_term(
-    class_logits: torch.Tensor, target: torch.Tensor, cfg: NumericLossConfig
-) -> torch.Tensor:
-    """l_t [n] of cfg.kind (a kind in config.DIGIT_KINDS)."""
-    if cfg.kind in ("del", "del_distance"):
-        return del_term(
-            class_logits,
-            target,
-            detach_criterion=cfg.detach_criterion,
-            distance=cfg.kind == "del_distance",
-        )
-    if cfg.kind == "ntl_was":
-        return ntl_was_term(class_logits, target)
-    if cfg.kind == "ntl_mse":
-        return ntl_mse_term(class_logits, target)
-    if cfg.kind == "dist2":
-        return dist2_term(class_logits, target, tau=cfg.dist2_tau)
-    raise ValueError(f"loss kind {cfg.kind!r} has no digit term")
 
 
 def digit_entropy(class_logits: torch.Tensor) -> torch.Tensor:

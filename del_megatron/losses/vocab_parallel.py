@@ -235,7 +235,7 @@ def prepare_vocab_parallel(
             f"logit shards cover {padded_size} vocabulary columns ({world} x {local_columns}) "
             f"but the tokenizer has {vocab_size} tokens"
         )
-    if cfg.kind == "emo":
+    if cfg.kind_spec.needs_cost_embedding:
         if cost_embedding is None or cost_embedding.shape[0] != local_columns:
             raise ValueError(
                 f"kind='emo' needs cost_embedding: this rank's [{local_columns}, hidden] rows of "
@@ -275,7 +275,7 @@ def finish_vocab_parallel(
         class_logits.index_select(0, rows_sb),
         target_is_max.index_select(0, rows_sb),
         cfg,
-        _to_bs(emo, seq, batch) if cfg.kind == "emo" else None,
+        _to_bs(emo, seq, batch) if cfg.kind_spec.needs_cost_embedding else None,
     )
 
 
@@ -319,7 +319,7 @@ def vocab_parallel_numeric_loss(
         prepared.vocab_start,
         prepared.vocab_size,
         prepared.group,
-        cost_embedding if cfg.kind == "emo" else None,
+        cost_embedding if cfg.kind_spec.needs_cost_embedding else None,
     )
     return finish_vocab_parallel(prepared, cfg, ce, class_logits, target_is_max, emo)
 

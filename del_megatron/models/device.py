@@ -113,18 +113,6 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
-def fused_chunk_tokens(device: torch.device, requested: int) -> int:
-    """Tokens per chunk of the fused output layer + loss (0: this device's default). Each
-    chunk's float32 logits [chunk, V/tp] are the path's largest buffer, so the chunk sets
-    its memory; the matmul sets its time. CPU: 256, 512 and 1024 tokens ran within 2% of
-    each other (docs/benchmarks.md), so the smallest. GPU: 1024 keeps a chunk's logits at
-    about 6% of megatron's for 16,384 tokens, and a [1024, h] x [h, V/tp] product is still
-    large enough to fill the GPU (not yet measured there)."""
-    if requested:
-        return requested
-    return 1024 if device.type == "cuda" else 256
-
-
 def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:
     """Activation recompute: on GPU when enabled (megatron's recompute saves CUDA RNG state,
     so it cannot run on CPU)."""

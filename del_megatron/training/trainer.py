@@ -161,13 +161,18 @@ def trace_file(cfg: RunConfig, dp_rank: int) -> str | None:
 
 
 def _forward(run: Run, batch: dict[str, torch.Tensor]):
-    """A micro-batch already on the compute device -> (loss sum, tokens, report pairs)."""
+    """A micro-batch already on the compute device -> (loss sum, tokens, report pairs).
+
+    The model's forward ends in its loss head (`NumericLossGPTModel._postprocess`) and
+    returns the head's `NumericLossOutput`, read here from that return value. The head runs
+    inside the engine's forward so that ZeRO 3 gathers the output weight for it (and again
+    for its backward) as for any layer (docs/architecture.md, "Megatron adapter")."""
     from ..models import loss_func
 
     tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"]
     positions = torch.arange(tokens.shape[1], device=run.device).expand_as(tokens)
-    per_token = run.engine(tokens, positions, None, labels=labels, loss_mask=loss_mask)
-    return loss_func(loss_mask, per_token, run.engine.module.last_numeric_stats)
+    output = run.engine(tokens, positions, None, labels=labels, loss_mask=loss_mask)
+    return loss_func(loss_mask, output)
 
 
 def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
