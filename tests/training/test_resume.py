@@ -97,7 +97,31 @@ def kill_hard(proc) -> None:
     psutil.wait_procs(family, timeout=30)
 
 
-@pytest.mark.parametrize("kind", ["del", "emo"])  # emo: its cost embedding is checkpointed
+def model_states(checkpoint: Path) -> list[dict]:
+    """DeepSpeed's model-states file of each tensor-parallel rank, as saved."""
+    import torch
+
+    files = sorted(checkpoint.glob("state/mp_rank_*_model_states.pt"))
+    assert files, f"no model states under {checkpoint}"
+    return [torch.load(f, weights_only=True, map_location="cpu")["module"] for f in files]
+
+
+def assert_cost_embedding_checkpointed(first: Path, later: Path) -> None:
+    """EMO's cost embedding is in every checkpoint's model states, the same in a later one
+    (it is taken once, from the weights the run starts with), while the output weights it
+    was taken from have trained away from it."""
+    import torch
+
+    for early, late in zip(model_states(first), model_states(later), strict=True):
+        cost = late["head.emo_cost_embedding"]
+        assert torch.equal(cost, early["head.emo_cost_embedding"])
+        taken_now = torch.nn.functional.normalize(late["output_layer.weight"].float(), dim=-1)
+        assert not torch.equal(cost, taken_now)
+
+
+# every kind whose state could differ on resume: emo's cost embedding is a buffer; del and
+# ntl_was: the digit kinds, with and without place weighting
+@pytest.mark.parametrize("kind", ["del", "emo", "ntl_was"])
 def test_exact_resume_after_sigkill(tmp_path, synth_tokenizer, synth_shards, kind):
     straight = tmp_path / "straight"
     run(command(straight, synth_tokenizer, synth_shards, f"loss.kind={kind}"))
@@ -112,6 +136,9 @@ def test_exact_resume_after_sigkill(tmp_path, synth_tokenizer, synth_shards, kin
     a, b = losses(straight), losses(interrupted)
     for step in range(11, 21):
         assert a[step] == b[step], (step, a[step], b[step])  # bit for bit
+    if kind == "emo":
+        saved = interrupted / "checkpoints"
+        assert_cost_embedding_checkpointed(saved / "step-0000010", saved / "step-0000020")
 
 
 def test_kills_during_checkpoint_writes_never_lose_the_last_good_one(

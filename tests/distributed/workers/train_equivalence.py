@@ -1,12 +1,20 @@
-"""torchrun worker: 5 optimizer steps of the trainer on fixed global batches. Rank 0 writes
-each step's loss and gradient norm (before clipping) to a JSON file and the full parameters
-after the last step (gathered across tensor-parallel ranks) beside it (.pt). Run at TP 1 x DP 1
-and at TP 2 x DP 2 with each ZeRO stage; the test compares them."""
+"""torchrun worker: 5 optimizer steps of the trainer on fixed global batches, for each of
+several variants in one process (each torchrun start costs ~20 s of CI time). A variant is
+`KIND[+tokens][+fused[+recompute]]:ZERO[:MICRO]`, e.g. `del+tokens:1:8` or
+`del+fused+recompute:3` (`+tokens`: `loss.normalize: tokens`). Rank 0
+writes each variant's step losses and gradient norms (before clipping) to OUT_DIR/VARIANT.json
+and the full parameters after the last step (gathered across tensor-parallel ranks) beside it
+(.pt). The tests compare variants and layouts.
+
+Token counts differ between micro-batches and between data-parallel ranks (each row keeps
+between 3% and 100% of its targets): a loss normalised per micro-batch or per rank instead
+of over the global batch's tokens shows as another trajectory."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,10 +23,10 @@ from del_megatron.config import parse_run_config
 from del_megatron.models.sharding import gather_full
 from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
-SEQ, MICRO, GLOBAL, VOCAB = 32, 2, 8, 800
+SEQ, MICRO, GLOBAL, VOCAB = 32, 2, 8, 800  # MICRO: unless the variant names one
 
 
-def config(tokenizer: str, manifest: str, tp: int, zero: int, kind: str):
+def config(tokenizer: str, manifest: str, tp: int, zero: int, kind: str, micro: int):
     return parse_run_config(
         {
             "model": {
@@ -32,12 +40,17 @@ def config(tokenizer: str, manifest: str, tp: int, zero: int, kind: str):
                 # 800 is a multiple of 16 x TP for TP 1 and 2: one padded size, one init
                 "make_vocab_size_divisible_by": 16,
             },
-            "loss": {"kind": kind.removesuffix("+fused"), "fused_output": kind.endswith("+fused")},
+            "loss": {
+                "kind": kind.split("+")[0],
+                "normalize": "tokens" if "+tokens" in kind else "digits",
+                "fused_output": "+fused" in kind,
+                "fused_recompute": "+recompute" in kind,
+            },
             "parallel": {"tensor_parallel": tp, "zero_stage": zero},
             "optim": {"lr": 1e-3, "warmup_fraction": 0.2, "clip_grad": 1.0},
             "train": {
                 "steps": 5,
-                "micro_batch_size": MICRO,
+                "micro_batch_size": micro,
                 "global_batch_size": GLOBAL,
                 "seq_len": SEQ,
                 "device": "cpu",
@@ -51,33 +64,33 @@ def config(tokenizer: str, manifest: str, tp: int, zero: int, kind: str):
 
 
 def global_batches(digit_ids: list[int]):
-    """Step -> [GLOBAL, SEQ + 1] token windows (40% digits) and a loss mask."""
+    """Step -> [GLOBAL, SEQ + 1] token windows (40% digits) and a loss mask whose rows keep
+    between 3% and 100% of their targets, so micro-batches and ranks differ in tokens."""
     gen = torch.Generator().manual_seed(0)
     steps = []
     for _ in range(5):
         window = torch.randint(3, 700, (GLOBAL, SEQ + 1), generator=gen)
         digits = torch.tensor(digit_ids)[torch.randint(10, window.shape, generator=gen)]
         window = torch.where(torch.rand(window.shape, generator=gen) < 0.4, digits, window)
-        mask = (torch.rand(GLOBAL, SEQ, generator=gen) > 0.1).float()
+        keep = torch.empty(GLOBAL, 1).uniform_(0.03, 1.0, generator=gen)
+        mask = (torch.rand(GLOBAL, SEQ, generator=gen) < keep).float()
+        mask[:, 0] = 1.0  # no row without a target
         steps.append((window, mask))
     return steps
 
 
-def main() -> None:
-    tokenizer, manifest, tp, zero, kind, out = sys.argv[1:7]
-    cfg = config(tokenizer, manifest, int(tp), int(zero), kind)
-    from del_megatron.tokenizer import Tokenizer
+def run_variant(tokenizer: str, manifest: str, tp: int, variant: str, steps, out_dir: Path):
+    kind, zero, *micro = variant.split(":")
+    micro = int(micro[0]) if micro else MICRO
+    cfg = config(tokenizer, manifest, tp, int(zero), kind, micro)
 
-    digit_ids = [ids[0] for ids in Tokenizer(tokenizer).digit_vocab.digit_ids]
-    steps = global_batches(digit_ids)
-
-    def batches(step: int, micro: int):
+    def batches(step: int, index: int):
         from megatron.core import parallel_state
 
         dp = parallel_state.get_data_parallel_world_size()
-        block = micro * dp + parallel_state.get_data_parallel_rank()
+        block = index * dp + parallel_state.get_data_parallel_rank()
         window, mask = steps[step]
-        rows = slice(block * MICRO, (block + 1) * MICRO)
+        rows = slice(block * micro, (block + 1) * micro)
         return {"tokens": window[rows, :-1], "labels": window[rows, 1:], "loss_mask": mask[rows]}
 
     import deepspeed
@@ -92,10 +105,21 @@ def main() -> None:
     with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=int(zero) == 3):
         params = gather_full(module)
     if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(trajectory, f)
-        torch.save(params, out + ".pt")
-        print("OK", trajectory)
+        out = out_dir / f"{variant}.json"
+        out.write_text(json.dumps(trajectory))
+        torch.save(params, str(out) + ".pt")
+        print("OK", variant, trajectory, flush=True)
+    run.engine.destroy()  # the next variant builds its own model and engine
+
+
+def main() -> None:
+    tokenizer, manifest, tp, out_dir, *variants = sys.argv[1:]
+    from del_megatron.tokenizer import Tokenizer
+
+    digit_ids = [ids[0] for ids in Tokenizer(tokenizer).digit_vocab.digit_ids]
+    steps = global_batches(digit_ids)
+    for variant in variants:
+        run_variant(tokenizer, manifest, int(tp), variant, steps, Path(out_dir))
 
 
 if __name__ == "__main__":
