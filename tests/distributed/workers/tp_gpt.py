@@ -47,8 +47,8 @@ def batch():
 def step(model, kind):
     inputs, labels, loss_mask = batch()
     positions = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
-    per_token = model(inputs, positions, None, labels=labels, loss_mask=loss_mask)
-    loss_sum, num_tokens, report = loss_func(loss_mask, per_token)
+    output = model(inputs, positions, None, labels=labels, loss_mask=loss_mask)
+    loss_sum, num_tokens, report = loss_func(loss_mask, output)
     (loss_sum / num_tokens).backward()
     return loss_sum / num_tokens, report
 
