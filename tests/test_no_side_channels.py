@@ -86,3 +86,31 @@ def test_the_scan_sees_each_side_channel_the_model_had():
     assert len(found) == 4, found  # the stash, setattr, last_* (also a self-assignment)
     assert any("setattr" in f for f in found) and any("last_numeric_stats" in f for f in found)
     assert any("sets self._loss_mask" in f for f in found)
+
+
+def test_loss_kinds_are_dispatched_in_one_table():
+    """No comparison with a loss kind's name outside losses/kinds.py: code asks
+    `cfg.kind_spec` (issue 18: five files compared `kind` strings)."""
+    from del_megatron.losses import KINDS
+
+    found = []
+    for path, tree in _sources():
+        if path.name == "kinds.py":
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            names = [
+                c.value
+                for operand in operands
+                for c in ([operand] if isinstance(operand, ast.Constant) else _elements(operand))
+                if isinstance(c, ast.Constant) and c.value in KINDS
+            ]
+            if names:
+                found.append(f"{_where(path, node)} compares with {names}")
+    assert found == []
+
+
+def _elements(node: ast.expr) -> list[ast.expr]:
+    return list(node.elts) if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
