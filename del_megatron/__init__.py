@@ -26,6 +26,7 @@ _quiet_cpu_only_notices()
 from .losses import (  # noqa: E402
     DigitVocab,
     NumericLossConfig,
+    NumericLossHead,
     NumericLossOutput,
     TokenizerError,
     emo_cost_embedding,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DigitVocab",
     "NumericLossConfig",
+    "NumericLossHead",
     "NumericLossOutput",
     "TokenizerError",
     "__version__",
