@@ -2,7 +2,8 @@
 
 from .assemble import REPORT_PAIRS, STAT_KEYS, NumericLossOutput, report_pairs
 from .config import DEFAULT_ALPHA, DIGIT_KINDS, LossKind, NumericLossConfig
-from .head import NumericLossHead, default_chunk_tokens
+from .fused import default_chunk_tokens
+from .head import NumericLossHead
 from .kinds import KINDS, Kind, Objective
 from .places import digit_places, place_weights
 from .reference import emo_cost_embedding, numeric_loss

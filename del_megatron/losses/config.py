@@ -68,7 +68,7 @@ class NumericLossConfig(BaseModel):
 
     fused_chunk_tokens: int = Field(default=0, ge=0)
     """Tokens per chunk of the fused path; 0 takes the device's default
-    (`losses/head.py`, `default_chunk_tokens`)."""
+    (`losses/fused.py`, `default_chunk_tokens`)."""
 
     fused_recompute: bool = False
     """Fused path only: form no gradient in forward and make each chunk's logits again in

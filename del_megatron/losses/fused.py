@@ -43,6 +43,16 @@ from .vocab_parallel import (
 )
 
 
+def default_chunk_tokens(device: torch.device) -> int:
+    """Tokens per chunk of the fused op when `loss.fused_chunk_tokens` is 0. Each chunk's
+    float32 logits [chunk, V/tp] are the op's largest buffer, so the chunk sets its memory;
+    the products set its time. CPU: 256, 512 and 1024 tokens ran within 2% of each other
+    (docs/benchmarks.md), so the smallest. GPU: 1024 keeps a chunk's logits at about 6% of
+    megatron's for 16,384 tokens, and a [1024, h] x [h, V/tp] product is still large enough
+    to fill the GPU (not yet measured there)."""
+    return 1024 if device.type == "cuda" else 256
+
+
 @dataclass(frozen=True)
 class TokenWeights:
     """What the gradient of `per_token.sum()` with respect to the parts depends on, per row in
@@ -437,7 +447,7 @@ def vocab_parallel_fused_numeric_loss(
     group: dist.ProcessGroup | None = None,
     *,
     cost_embedding: torch.Tensor | None = None,
-    chunk_tokens: int,
+    chunk_tokens: int | None = None,
     recompute: bool = False,
 ) -> NumericLossOutput:
     """`vocab_parallel_numeric_loss(hidden @ output_weight_shard.T, ...)` without the logits.
@@ -445,13 +455,16 @@ def vocab_parallel_fused_numeric_loss(
     hidden: [s, b, h] (the output layer's input, not sequence-parallel); output_weight_shard:
     [V/tp, h], this rank's rows of the (padded) vocabulary; labels, loss_mask: [b, s].
     Gradients flow to `hidden` (this rank's part, as for the product) and the weight shard.
-    chunk_tokens: rows per chunk (no default here: `NumericLossHead` holds the one default).
+    chunk_tokens: rows per chunk; None: `default_chunk_tokens(hidden.device)`, the one default
+    (a model's `loss.fused_chunk_tokens: 0` comes here through `NumericLossHead`).
     recompute: form no gradient in forward (hold no float32 [V/tp, h] weight gradient from
     forward to backward) and make each chunk's logits again in backward: a fourth product.
     """
     cfg = cfg or NumericLossConfig()
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [s, b, h], got {tuple(hidden.shape)}")
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(hidden.device)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     seq, batch, width = hidden.shape

@@ -9,8 +9,8 @@ It owns what the loss needs beyond its inputs, so that nothing else has to:
   from (`take_cost_embedding`): in every checkpoint, so a resume uses the one the run started
   with; HF export, which writes parameters only, leaves it out.
 * the choice between the two ops (`fused`: `loss.fused_output`), the fused op's chunk size
-  (`loss.fused_chunk_tokens`, its one default `default_chunk_tokens` below) and its
-  `loss.fused_recompute` option.
+  (`loss.fused_chunk_tokens`; 0 takes the op's one default, `fused.default_chunk_tokens`)
+  and its `loss.fused_recompute` option.
 
 It lives beside the ops (layer 2) rather than in models/: it needs nothing of megatron-core
 but the group it is handed, and both the megatron adapter (models/gpt.py) and the tests use
@@ -24,20 +24,10 @@ import torch.distributed as dist
 
 from .assemble import NumericLossOutput
 from .config import NumericLossConfig
-from .fused import vocab_parallel_fused_numeric_loss
+from .fused import default_chunk_tokens, vocab_parallel_fused_numeric_loss
 from .reference import emo_cost_embedding
 from .vocab import DigitVocab
 from .vocab_parallel import vocab_parallel_numeric_loss
-
-
-def default_chunk_tokens(device: torch.device) -> int:
-    """Tokens per chunk of the fused op when `loss.fused_chunk_tokens` is 0. Each chunk's
-    float32 logits [chunk, V/tp] are the op's largest buffer, so the chunk sets its memory;
-    the products set its time. CPU: 256, 512 and 1024 tokens ran within 2% of each other
-    (docs/benchmarks.md), so the smallest. GPU: 1024 keeps a chunk's logits at about 6% of
-    megatron's for 16,384 tokens, and a [1024, h] x [h, V/tp] product is still large enough
-    to fill the GPU (not yet measured there)."""
-    return 1024 if device.type == "cuda" else 256
 
 
 class NumericLossHead(torch.nn.Module):
