@@ -26,7 +26,7 @@ from del_megatron.training.trainer import next_micro_batches, setup, train_step
 SEQ, MICRO, GLOBAL, VOCAB = 32, 2, 8, 800  # MICRO: unless the variant names one
 
 
-def config(tokenizer: str, manifest: str, tp: int, zero: int, kind: str, micro: int):
+def config(tokenizer: str, manifest: str, tp: int, zero: int, kind: str, micro: int = MICRO):
     return parse_run_config(
         {
             "model": {
