@@ -14,6 +14,7 @@ Prints one "OK ..." line per check on rank 0.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -104,21 +105,29 @@ def random_batches(run, step: int) -> list[dict[str, torch.Tensor]]:
 def main() -> None:
     out, load, train, config, *overrides = sys.argv[1:]
     cfg = load_run_config(config, [*overrides, f"output_dir={out}"])
+    started = time.perf_counter()
     run = setup(cfg)
+    timings = [f"setup {time.perf_counter() - started:.1f}s"]
     layout = checkpoint.describe(checkpoint.run_layout(cfg, run.world))
     step = 0
     for path in [Path(p) for p in load.split(",") if p != "-"]:
+        started = time.perf_counter()
         step = checkpoint.load(run, path, None)
+        timings.append(f"load {time.perf_counter() - started:.2f}s")
         count = assert_state_equals_files(run, path, f"{path} loaded at {layout}")
         if run.is_main:
             print(f"OK {path.parent.parent.name} step {step}: {count} parameters equal at {layout}")
     if train == "1":
         for s in range(step + 1, step + 7):
             train_step(run, random_batches(run, s), s)
+        started = time.perf_counter()
         saved = checkpoint.save(run, step + 6, None, keep=0)
+        timings.append(f"save {time.perf_counter() - started:.2f}s")
         assert_state_equals_files(run, saved, f"{saved} as saved at {layout}")
         if run.is_main:
             print(f"OK saved step {step + 6} at {layout}")
+    if run.is_main:
+        print("timings: " + ", ".join(timings))  # for the record, never asserted
     collectives.barrier()
     dist.destroy_process_group()
 
