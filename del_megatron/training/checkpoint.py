@@ -353,6 +353,9 @@ def _load_deepspeed(run: Any, path: Path) -> None:
         ) from None
     if loaded is None:
         raise CheckpointError(f"{path}: no DeepSpeed state under tag '{DEEPSPEED_TAG}'")
+    # DeepSpeed's ZeRO 1/2 load unlinks the moments from its safe_get API, which the next
+    # layout-free save reads them through
+    layout_free.ensure_adam_state(run.engine.optimizer)
 
 
 def _load_layout_free(run: Any, path: Path) -> None:

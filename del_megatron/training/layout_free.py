@@ -87,19 +87,27 @@ def adam_steps(zero: Any) -> dict[int, int]:
     return steps
 
 
-def _ensure_adam_state(zero: Any) -> None:
-    """Give every group Adam's state as torch's AdamW creates it lazily at the first step
-    (a fresh engine has none, and DeepSpeed's setters write into it), then let ZeRO 1/2 link
-    each parameter's fragment of the moments."""
-    for _, flat in _flat_groups(zero):
+def ensure_adam_state(zero: Any) -> None:
+    """Give every group Adam's state as torch's AdamW creates it lazily at the first step (a
+    fresh engine, or one whose steps so far were all skipped as non-finite, has none, and
+    DeepSpeed's getters and setters read and write into it), then link each ZeRO 1/2
+    parameter's fragments of the moments.
+
+    The link is made every time: DeepSpeed 0.19.8's ZeRO 1/2 `load_checkpoint` rebuilds the
+    parameters' fragment mappings without their moments and keeps its flag saying they are
+    linked, so after a same-layout resume `safe_get_full_optimizer_state` fails until this."""
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    for params, flat in _flat_groups(zero):
         state = zero.optimizer.state[flat]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-    link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:
-        link()
+        if not hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO 3 reads the state itself
+            lazy_init_hp_params_optimizer_state(params, flat, zero.optimizer.state)
+    if hasattr(zero, "_hp_optimizer_states_linked"):
+        zero._hp_optimizer_states_linked = True
 
 
 def _set_adam_step(zero: Any, step: int) -> None:
@@ -191,6 +199,7 @@ def save(
     tensor-parallel rank 0 writes the index, with `extra` (schedule, counters) in it."""
     out = directory / OPTIM
     out.mkdir(exist_ok=True)
+    ensure_adam_state(zero)
     params = trained_parameters(module)
     steps = adam_steps(zero)
     mine = [i for i in range(len(params)) if writer_of(i, dp_size) == dp_rank]
@@ -298,7 +307,7 @@ def load(
             f"{checkpoint / OPTIM}: parameters differ from this model's "
             f"(missing {missing[:3]}, not in the model {extra[:3]})"
         )
-    _ensure_adam_state(zero)
+    ensure_adam_state(zero)
     device = _flat_groups(zero)[0][1].device  # where the fp32 partitions live
     steps = set()
     for name, param in params:
