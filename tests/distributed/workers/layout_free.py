@@ -13,6 +13,7 @@ Prints one "OK ..." line per check on rank 0.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -81,6 +82,18 @@ def assert_state_equals_files(run, path: Path, when: str) -> int:
     return len(saved)
 
 
+def assert_derived_rng(run, path: Path, step: int) -> None:
+    """At other tensor/data-parallel sizes the generator is seeded from (seed, step,
+    data-parallel rank), before anything draws from it."""
+    saved = checkpoint.saved_layout(json.loads((path / "meta.json").read_text()))
+    wanted = checkpoint.run_layout(run.cfg, run.world)
+    if all(saved[k] == wanted[k] for k in ("tensor_parallel", "data_parallel")):
+        return
+    seed = checkpoint.derived_seed(run.cfg.train.seed, step, run.dp_rank)
+    expected = torch.rand(4, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(torch.rand(4), expected), f"{path}: RNG not derived from {seed}"
+
+
 def random_batches(run, step: int) -> list[dict[str, torch.Tensor]]:
     cfg = run.cfg
     gen = torch.Generator().manual_seed(1000 * step + run.dp_rank)
@@ -114,6 +127,7 @@ def main() -> None:
         started = time.perf_counter()
         step = checkpoint.load(run, path, None)
         timings.append(f"load {time.perf_counter() - started:.2f}s")
+        assert_derived_rng(run, path, step)
         count = assert_state_equals_files(run, path, f"{path} loaded at {layout}")
         if run.is_main:
             print(f"OK {path.parent.parent.name} step {step}: {count} parameters equal at {layout}")
