@@ -65,6 +65,26 @@ def trained_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Para
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
+# (partition dim, stride) of our tensor-parallel buffers by name suffix: EMO's cost embedding
+# holds this rank's rows of the output layer [V/tp, h]. Other buffers are replicated (a
+# sharded one missing here fails the shape check at another tensor-parallel size).
+BUFFER_PARTITIONS = {"emo_cost_embedding": (0, 1)}
+BUFFER = "buffer"
+
+
+def saved_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint keeps (persistent ones: they are in the state dict)."""
+    persistent = set(module.state_dict(keep_vars=True))
+    return [(name, b) for name, b in module.named_buffers() if name in persistent]
+
+
+def buffer_partition(name: str):
+    for suffix, partition in BUFFER_PARTITIONS.items():
+        if name.endswith(suffix):
+            return partition
+    return None
+
+
 # ---- the ZeRO optimizers' flat groups -------------------------------------------------
 
 
@@ -204,6 +224,9 @@ def save(
     steps = adam_steps(zero)
     mine = [i for i in range(len(params)) if writer_of(i, dp_size) == dp_rank]
     entries = [(f"{params[i][0]}/{key}", full_shape(params[i][1])) for i in mine for key in KEYS]
+    # buffers are the same on every data-parallel rank: data-parallel rank 0 writes them
+    buffers = saved_buffers(module) if dp_rank == 0 else []
+    entries += [(f"{name}/{BUFFER}", tuple(b.shape)) for name, b in buffers]
     metadata = {
         "format": str(FORMAT),
         "tensor_parallel_rank": str(tp_rank),
@@ -217,6 +240,8 @@ def save(
                 if i in mine:
                     _write_tensor(handle, value)
                 del value
+        for _, buffer in buffers:
+            _write_tensor(handle, buffer)
     if tp_rank == 0 and dp_rank == 0:
         index = {
             "format": FORMAT,
@@ -232,6 +257,16 @@ def save(
                     "writer": writer_of(i, dp_size),
                 }
                 for i, (name, param) in enumerate(params)
+            ],
+            "buffers": [
+                {
+                    "name": name,
+                    "canonical": canonical(name),
+                    "partition": buffer_partition(name),
+                    "shape": list(buffer.shape),
+                    "writer": 0,
+                }
+                for name, buffer in saved_buffers(module)
             ],
             **extra,
         }
@@ -328,4 +363,24 @@ def load(
         raise LayoutFreeError(f"{checkpoint / OPTIM}: Adam step counts differ: {sorted(steps)}")
     _set_adam_step(zero, steps.pop())
     _model_weights_from_masters(zero)
+    _load_buffers(module, checkpoint, index, tp_rank=tp_rank, tp_size=tp_size)
     return index
+
+
+def _load_buffers(module, checkpoint: Path, index, *, tp_rank: int, tp_size: int) -> None:
+    """The saved buffers into this rank's module: EMO's cost embedding is made from the
+    weights the run started from, which a run at another layout need not make again alike
+    (GPU initialization draws each tensor-parallel shard from its own generator)."""
+    saved = {entry["canonical"]: entry for entry in index.get("buffers", [])}
+    for name, buffer in saved_buffers(module):
+        entry = saved.get(canonical(name))
+        if entry is None:
+            raise LayoutFreeError(f"{checkpoint / OPTIM}: no buffer {name}")
+        value = _saved_shard(checkpoint, index, entry, BUFFER, tp_rank, tp_size)
+        if value.shape != buffer.shape:
+            raise LayoutFreeError(
+                f"{checkpoint / OPTIM}: buffer {name} has shape {tuple(value.shape)} at tensor "
+                f"parallel {tp_size}, the model {tuple(buffer.shape)}"
+            )
+        with torch.no_grad():
+            buffer.copy_(value.to(buffer.device, buffer.dtype))

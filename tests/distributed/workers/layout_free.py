@@ -60,7 +60,10 @@ def model_weights_tp1(run) -> dict[str, torch.Tensor]:
 
 
 def assert_state_equals_files(run, path: Path, when: str) -> int:
-    """The optimizer's state, gathered to TP 1, equals the layout-free files bit for bit."""
+    """The optimizer's state and the model's buffers, gathered to TP 1, equal the
+    layout-free files bit for bit."""
+    from megatron.core import parallel_state
+
     index = layout_free.read_index(path)
     saved = {e["canonical"]: e for e in index["params"]}
     steps = layout_free.adam_steps(run.engine.optimizer)
@@ -79,7 +82,16 @@ def assert_state_equals_files(run, path: Path, when: str) -> int:
             f"{when}: the model's {name} differs from its fp32 master"
         )
     assert run.scheduler.last_epoch == index["scheduler_last_epoch"], when
-    return len(saved)
+    saved_buffers = {e["canonical"]: e for e in index["buffers"]}
+    for name, buffer in layout_free.saved_buffers(run.engine.module):
+        entry = saved_buffers[canonical(name)]
+        value = buffer.detach().float().contiguous()
+        if entry["partition"] and run.cfg.parallel.tensor_parallel > 1:
+            group = parallel_state.get_tensor_model_parallel_group()
+            value = merge(collectives.all_gather(value, group=group), tuple(entry["partition"]))
+        expected = layout_free.saved_full(path, index, entry, layout_free.BUFFER)
+        assert torch.equal(value, expected), f"{when}: buffer {name} differs"
+    return len(saved) + len(saved_buffers)
 
 
 def assert_derived_rng(run, path: Path, step: int) -> None:
@@ -130,7 +142,7 @@ def main() -> None:
         assert_derived_rng(run, path, step)
         count = assert_state_equals_files(run, path, f"{path} loaded at {layout}")
         if run.is_main:
-            print(f"OK {path.parent.parent.name} step {step}: {count} parameters equal at {layout}")
+            print(f"OK {path.parent.parent.name} step {step}: {count} tensors equal at {layout}")
     if train == "1":
         for s in range(step + 1, step + 7):
             train_step(run, random_batches(run, s), s)
