@@ -33,7 +33,7 @@ import torch
 
 from ..errors import UserError, one_line
 from ..models.hf_tensors import canonical
-from ..models.sharding import merge, partition_of_param, split
+from ..models.sharding import merge, partition_of_param
 
 OPTIM = "optim"
 INDEX = "index.json"
@@ -317,14 +317,53 @@ def saved_full(checkpoint: Path, index: dict[str, Any], entry: dict[str, Any], k
     return merge(shards, partition)
 
 
+def slice_plan(
+    length: int, stride: int, saved_world: int, rank: int, world: int
+) -> list[tuple[int, int, int]]:
+    """Which pieces of the saved shards make rank `rank`'s shard at tensor parallel `world`:
+    [(saved rank, start, stop)] along the partition dim, in order, for a dim of `length` in
+    the TP 1 layout. The TP 1 tensor is `stride` blocks, each the saved ranks' pieces in
+    rank order (sharding.merge); the new shard is the TP 1 chunks rank, rank + world, ...
+    of length / (world * stride) (sharding.split)."""
+    block = length // stride
+    saved_piece, new_piece = block // saved_world, block // world
+    plan = []
+    for k in range(stride):
+        position = k * block + rank * new_piece  # chunk rank + k * world, in the TP 1 layout
+        end = position + new_piece
+        while position < end:
+            owner, offset = divmod(position % block, saved_piece)
+            take = min(saved_piece - offset, end - position)
+            plan.append((owner, k * saved_piece + offset, k * saved_piece + offset + take))
+            position += take
+    return plan
+
+
 def _saved_shard(checkpoint, index, entry, key, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This tensor-parallel rank's shard of one saved parameter: its own saved file at the
-    saved tensor-parallel size (or for a replicated parameter), else merged and split."""
+    """This tensor-parallel rank's shard of one saved parameter, read memory-mapped: its own
+    saved file at the saved tensor-parallel size (or for a replicated parameter), else only
+    the pieces of the saved shards that make it (`slice_plan`)."""
+    from safetensors import SafetensorError, safe_open
+
     partition = entry["partition"] and tuple(entry["partition"])
-    if partition is None or index["tensor_parallel"] == tp_size:
+    saved_world = index["tensor_parallel"]
+    if partition is None or saved_world == tp_size:
         own = 0 if partition is None else tp_rank
         return next(saved_tensors(checkpoint, index, entry, key, [own]))
-    return split(saved_full(checkpoint, index, entry, key), partition, tp_rank, tp_size)
+    dim, stride = partition
+    length = entry["shape"][dim] * saved_world  # the dim in the TP 1 layout
+    pieces = []
+    for owner, start, stop in slice_plan(length, stride, saved_world, tp_rank, tp_size):
+        path = checkpoint / OPTIM / file_name(owner, entry["writer"])
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                view = handle.get_slice(f"{entry['name']}/{key}")
+                index_ = [slice(None)] * len(view.get_shape())
+                index_[dim] = slice(start, stop)
+                pieces.append(view[tuple(index_)])
+        except (SafetensorError, OSError) as err:
+            raise LayoutFreeError(f"{path}: unreadable ({one_line(err)[:200]})") from None
+    return torch.cat(pieces, dim=dim)
 
 
 def load(

@@ -152,3 +152,18 @@ def test_layout_comparison_and_derived_seeds():
     assert len(seeds) == 6 and all(0 <= s < 2**63 for s in seeds)
     assert checkpoint.derived_seed(7, 10, 1) == checkpoint.derived_seed(7, 10, 1)
     assert checkpoint.derived_seed(8, 10, 1) != checkpoint.derived_seed(7, 10, 1)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_slice_plan_reads_what_merge_then_split_gives(stride):
+    from del_megatron.models.sharding import merge, split
+
+    full = torch.arange(2 * 24 * stride * 3, dtype=torch.float32).reshape(2, 24 * stride, 3)
+    for saved_world in (1, 2, 3, 4):
+        shards = [split(full, (1, stride), r, saved_world) for r in range(saved_world)]
+        assert torch.equal(merge(shards, (1, stride)), full)
+        for world in (1, 2, 4, 6):
+            for rank in range(world):
+                plan = layout_free.slice_plan(24 * stride, stride, saved_world, rank, world)
+                read = torch.cat([shards[o][:, a:b] for o, a, b in plan], dim=1)
+                assert torch.equal(read, split(full, (1, stride), rank, world)), plan
