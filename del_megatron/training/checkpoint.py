@@ -251,8 +251,9 @@ def how_to_run(layout: dict[str, Any], world: Any) -> str:
 
 def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
     """A checkpoint this run can resume from, before anything is loaded (preflight runs it
-    too): its metadata, tokenizer, tensor-parallel size and architecture, and the files
-    DeepSpeed does not check. Returns meta.json; CheckpointError names the first problem."""
+    too): its metadata, tokenizer, layout (another one needs the layout-free state) and
+    architecture, and the files DeepSpeed does not check. Returns meta.json;
+    CheckpointError names the first problem."""
     try:
         meta = json.loads((path / "meta.json").read_text())
         step = int(meta["step"])
