@@ -167,3 +167,24 @@ def test_slice_plan_reads_what_merge_then_split_gives(stride):
                 plan = layout_free.slice_plan(24 * stride, stride, saved_world, rank, world)
                 read = torch.cat([shards[o][:, a:b] for o, a, b in plan], dim=1)
                 assert torch.equal(read, split(full, (1, stride), rank, world)), plan
+
+
+@pytest.mark.slow
+def test_del_train_resumes_at_another_tensor_parallel_size(tmp_path, synth_tokenizer, synth_shards):
+    from .test_resume import command, losses, run
+
+    out = tmp_path / "run"
+    run(command(out, synth_tokenizer, synth_shards, "train.steps=4", "parallel.zero_stage=2", tp=1))
+    proc = run(
+        [
+            *command(out, synth_tokenizer, synth_shards, "train.steps=8", nproc=4, tp=2),
+            "--resume",
+            "auto",
+        ]
+    )  # 2 processes' loader states for 4 ranks: an IndexError before
+    assert (
+        "resuming at tensor parallel 2 x data parallel 2, ZeRO 1 (saved at tensor parallel 1 x "
+        "data parallel 2, ZeRO 2)" in proc.stdout
+    )
+    assert "at step 4" in proc.stdout
+    assert sorted(losses(out)) == list(range(1, 9))
