@@ -76,6 +76,10 @@ class TrainConfig(_Section):
     """Checkpoint every this many steps (0: only at the end)."""
     keep_checkpoints: int = Field(default=3, ge=0)
     """Keep the newest this many checkpoints (0: all)."""
+    layout_free_checkpoints: bool = True
+    """Write the layout-free optimizer state (fp32 weights, Adam moments and steps per
+    parameter, 12 bytes a parameter) beside DeepSpeed's, so the checkpoint resumes at any
+    tensor-parallel, data-parallel and ZeRO layout (docs/checkpoints.md)."""
     max_nonfinite_steps: int = Field(default=5, gt=0)
     """Stop after this many optimizer steps in a row with non-finite loss or gradients
     (each is skipped by the ZeRO optimizer: no update, no schedule step)."""

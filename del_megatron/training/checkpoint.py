@@ -8,6 +8,7 @@ resume ignores (and removes).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -21,6 +22,7 @@ from .. import collectives
 from ..config import ConfigError, dump_run_config
 from ..data import StreamingLoader
 from ..errors import UserError, one_line
+from . import layout_free
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -62,6 +64,8 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
         str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step}, save_latest=False
     )
     _save_weights(run, tmp)
+    if run.cfg.train.layout_free_checkpoints:
+        _save_layout_free(run, tmp)
     rng = tmp / "rng"
     rng.mkdir(exist_ok=True)
     torch.save(rng_state(run.device), rng / f"rank{run.rank:05d}.pt")
@@ -74,6 +78,8 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
             "world_size": run.world,
             "data_parallel": run.dp_size,
             "tensor_parallel": run.cfg.parallel.tensor_parallel,
+            "zero_stage": run.cfg.parallel.zero_stage,
+            "layout_free": run.cfg.train.layout_free_checkpoints,
             "tokens": step * run.cfg.train.global_batch_size * run.cfg.train.seq_len,
             "tokenizer": run.tokenizer.fingerprint,
             "versions": _versions(),
@@ -116,6 +122,29 @@ def _save_weights(run: Any, directory: Path) -> None:
                 write_weights_record(out, run.cfg.model, run.cfg.tokenizer_path())
 
 
+def _save_layout_free(run: Any, directory: Path) -> None:
+    """optim/: this rank's part of the layout-free state (training/layout_free.py)."""
+    from megatron.core import parallel_state
+
+    engine = run.engine
+    layout_free.save(
+        engine.module,
+        engine.optimizer,
+        directory,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=run.cfg.parallel.tensor_parallel,
+        dp_rank=run.dp_rank,
+        dp_size=run.dp_size,
+        extra={
+            "zero_stage": run.cfg.parallel.zero_stage,
+            "scheduler_last_epoch": int(run.scheduler.last_epoch),
+            "global_steps": int(engine.global_steps),
+            "global_samples": int(engine.global_samples),
+            "skipped_steps": int(engine.skipped_steps),
+        },
+    )
+
+
 def rng_state(device: torch.device) -> dict[str, Any]:
     """This rank's generators: torch's, and on GPU the device's and megatron-core's
     tensor-parallel tracker (dropout inside tensor-parallel regions, recomputation)."""
@@ -126,6 +155,24 @@ def rng_state(device: torch.device) -> dict[str, Any]:
         state["cuda"] = torch.cuda.get_rng_state()
         state["cuda_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
     return state
+
+
+def derived_seed(seed: int, step: int, dp_rank: int) -> int:
+    """The seed of a data-parallel replica resumed at step `step` on a new layout: a pure
+    function of the run's seed, the step and the replica's position, so the same resume
+    draws the same numbers whatever the saved layout was. Tensor-parallel ranks of one
+    replica share it (dropout outside tensor-parallel regions must agree across them);
+    megatron's tracker adds the tensor-parallel rank for the regions inside."""
+    digest = hashlib.sha256(f"{seed}/{step}/{dp_rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: torch.manual_seed takes it
+
+
+def seed_rng(seed: int, device: torch.device) -> None:
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
@@ -163,10 +210,50 @@ def resolve(resume: str, output_dir: str) -> Path | None:
     return path
 
 
+def saved_layout(meta: dict[str, Any]) -> dict[str, Any]:
+    """The parallel layout a checkpoint was saved at (zero_stage None: saved before it was
+    recorded)."""
+    return {
+        "tensor_parallel": meta.get("tensor_parallel"),
+        "data_parallel": meta.get("data_parallel"),
+        "zero_stage": meta.get("zero_stage"),
+    }
+
+
+def run_layout(cfg: Any, world: int) -> dict[str, Any]:
+    return {
+        "tensor_parallel": cfg.parallel.tensor_parallel,
+        "data_parallel": cfg.data_parallel_size(world),
+        "zero_stage": cfg.parallel.zero_stage,
+    }
+
+
+def changed(saved: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether DeepSpeed's per-rank state cannot serve `wanted` (an unrecorded ZeRO stage is
+    taken as unchanged: DeepSpeed itself then says whether its state loads)."""
+    return any(
+        saved[key] != wanted[key] for key in wanted if saved[key] is not None or key != "zero_stage"
+    )
+
+
+def describe(layout: dict[str, Any]) -> str:
+    zero = "" if layout["zero_stage"] is None else f", ZeRO {layout['zero_stage']}"
+    return (
+        f"tensor parallel {layout['tensor_parallel']} x data parallel "
+        f"{layout['data_parallel']}{zero}"
+    )
+
+
+def how_to_run(layout: dict[str, Any], world: Any) -> str:
+    zero = "" if layout["zero_stage"] is None else f" parallel.zero_stage={layout['zero_stage']}"
+    return f"parallel.tensor_parallel={layout['tensor_parallel']}{zero} on {world} processes"
+
+
 def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
     """A checkpoint this run can resume from, before anything is loaded (preflight runs it
-    too): its metadata, tokenizer, tensor-parallel size and architecture, and the files
-    DeepSpeed does not check. Returns meta.json; CheckpointError names the first problem."""
+    too): its metadata, tokenizer, layout (another one needs the layout-free state) and
+    architecture, and the files DeepSpeed does not check. Returns meta.json;
+    CheckpointError names the first problem."""
     try:
         meta = json.loads((path / "meta.json").read_text())
         step = int(meta["step"])
@@ -174,11 +261,18 @@ def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
         raise CheckpointError(f"{path}/meta.json: unreadable ({one_line(err)})") from None
     if meta.get("tokenizer") != fingerprint:
         raise CheckpointError(f"{path}: saved with another tokenizer than data.tokenizer")
-    if meta.get("tensor_parallel") != cfg.parallel.tensor_parallel:
-        raise CheckpointError(
-            f"{path}: saved at tensor parallel {meta.get('tensor_parallel')}, this run uses "
-            f"{cfg.parallel.tensor_parallel}"
-        )
+    saved, wanted = saved_layout(meta), run_layout(cfg, world)
+    if changed(saved, wanted):
+        if not layout_free.has_state(path):
+            raise CheckpointError(
+                f"{path}: saved at {describe(saved)} without the layout-free state (optim/), "
+                f"this run is at {describe(wanted)}: resume at the saved layout "
+                f"({how_to_run(saved, meta.get('world_size'))})"
+            )
+        try:
+            layout_free.read_index(path)
+        except layout_free.LayoutFreeError as err:
+            raise CheckpointError(str(err)) from None
     arch_path = path / "model" / "arch.json"
     try:
         saved = json.loads(arch_path.read_text())
@@ -208,42 +302,26 @@ def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
 def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
     """Restore model, optimizer, scheduler, RNG and this rank's loader; returns the step."""
     meta = check(path, run.cfg, run.tokenizer.fingerprint, run.world)
-    same_layout = meta.get("data_parallel") == run.dp_size
-    try:
-        if same_layout:
-            loaded, _ = run.engine.load_checkpoint(
-                str(path),
-                tag=DEEPSPEED_TAG,
-                load_optimizer_states=True,
-                load_lr_scheduler_states=True,
-                load_module_strict=True,
+    saved, wanted = saved_layout(meta), run_layout(run.cfg, run.world)
+    # the data loader's layout: its states are saved per global rank, so a position by
+    # position load needs the same data-parallel size and the same ranks
+    same_layout = meta.get("data_parallel") == run.dp_size and meta.get("world_size") == run.world
+    if changed(saved, wanted):
+        _load_layout_free(run, path)
+        if run.is_main:
+            data = "" if same_layout else ", data continues at the next epoch"
+            print(
+                f"resuming at {describe(wanted)} (saved at {describe(saved)}): fp32 weights, "
+                f"Adam moments and steps and the schedule restored from the layout-free "
+                f"state{data}",
+                flush=True,
             )
-        else:
-            # ZeRO's optimizer partitions are laid out for the saved data-parallel size and
-            # DeepSpeed cannot re-partition them: take the weights, restart the moments.
-            loaded, _ = run.engine.load_checkpoint(
-                str(path), tag=DEEPSPEED_TAG, load_module_only=True
-            )
-            refresh = getattr(run.engine.optimizer, "refresh_fp32_params", None)
-            if refresh is not None:
-                refresh()  # ZeRO 1/2 keep their own fp32 copy of the weights
-            for _ in range(int(meta["step"])):
-                run.scheduler.step()
-    except Exception as err:  # DeepSpeed raises whatever its torch.load or asserts raise
-        raise CheckpointError(
-            f"{path}: cannot load the model/optimizer state "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"
-        ) from None
-    if loaded is None:
-        raise CheckpointError(f"{path}: no DeepSpeed state under tag '{DEEPSPEED_TAG}'")
-    if not same_layout and run.is_main:
-        print(
-            f"resuming at data-parallel size {run.dp_size} (saved at {meta.get('data_parallel')}):"
-            " weights and schedule restored, optimizer moments restarted, data continues at "
-            "the next epoch",
-            flush=True,
-        )
-    if meta.get("world_size") == run.world:
+    else:
+        _load_deepspeed(run, path)
+    same_positions = all(saved[k] == wanted[k] for k in ("tensor_parallel", "data_parallel"))
+    if not same_positions:
+        seed_rng(derived_seed(run.cfg.train.seed, int(meta["step"]), run.dp_rank), run.device)
+    elif meta.get("world_size") == run.world:
         rng_path = path / "rng" / f"rank{run.rank:05d}.pt"
         try:
             # RNG states are host byte tensors whatever the device (map_location: a state
@@ -258,6 +336,50 @@ def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
         if message and run.is_main:
             print(message, flush=True)
     return int(meta["step"])
+
+
+def _load_deepspeed(run: Any, path: Path) -> None:
+    """The same layout: DeepSpeed's own per-rank state, the fast path (bit-exact resume)."""
+    try:
+        loaded, _ = run.engine.load_checkpoint(
+            str(path),
+            tag=DEEPSPEED_TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=True,
+        )
+    except Exception as err:  # DeepSpeed raises whatever its torch.load or asserts raise
+        raise CheckpointError(
+            f"{path}: cannot load the model/optimizer state "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        ) from None
+    if loaded is None:
+        raise CheckpointError(f"{path}: no DeepSpeed state under tag '{DEEPSPEED_TAG}'")
+    # DeepSpeed's ZeRO 1/2 load unlinks the moments from its safe_get API, which the next
+    # layout-free save reads them through
+    layout_free.ensure_adam_state(run.engine.optimizer)
+
+
+def _load_layout_free(run: Any, path: Path) -> None:
+    """Another layout: masters, moments and steps from optim/, the model's weights from the
+    masters, the schedule and the engine's counters from the index."""
+    from megatron.core import parallel_state
+
+    engine = run.engine
+    index = layout_free.load(
+        engine.module,
+        engine.optimizer,
+        path,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=run.cfg.parallel.tensor_parallel,
+    )
+    # the schedule's position, set rather than stepped to: LambdaLR's rate is a function of
+    # it alone, and non-finite steps (which skip the schedule) are counted in it
+    run.scheduler.last_epoch = int(index["scheduler_last_epoch"]) - 1
+    run.scheduler.step()
+    engine.global_steps = int(index["global_steps"])
+    engine.global_samples = int(index["global_samples"])
+    engine.skipped_steps = int(index["skipped_steps"])
 
 
 def remove_partial(output_dir: str) -> None:

@@ -1,0 +1,425 @@
+"""The layout-free optimizer state of a checkpoint: per parameter, the fp32 master weight and
+both Adam moments in the tensor-parallel rank's full (ZeRO-unpartitioned) shape, and Adam's
+step count, so that a run at any (tensor parallel, data parallel, ZeRO stage 1/2/3,
+accumulation) layout can load it (format: docs/checkpoints.md, "Layout-free state").
+
+```
+optim/index.json                  the saved layout, every parameter's name, tensor-parallel
+                                  partition (dim, stride), Adam step and writing file; the
+                                  LR schedule's position and the engine's step counters
+optim/tpNN-dpMM.safetensors       float32 "<param>/fp32", "<param>/exp_avg",
+                                  "<param>/exp_avg_sq" of the parameters that data-parallel
+                                  rank MM of tensor-parallel rank NN wrote (every dp-th one)
+```
+
+Saving gathers one parameter at a time over the data-parallel group with DeepSpeed's
+`safe_get_full_*` API (ZeRO 1, 2 and 3 alike) and streams it into the owner's file, whose
+header is known in advance: no rank holds more than its ZeRO shard plus one parameter, and the
+data-parallel ranks of a tensor-parallel rank write their files in parallel. Loading reads,
+per parameter, the saved tensor-parallel shards (memory-mapped), merges them to the TP 1
+layout, splits out this rank's shard (models/sharding.py) and hands it to `safe_set_full_*`,
+which keeps this rank's ZeRO partition of it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import UserError, one_line
+from ..models.hf_tensors import canonical
+from ..models.sharding import merge, partition_of_param
+
+OPTIM = "optim"
+INDEX = "index.json"
+FORMAT = 1
+KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # "fp32": the master weight
+
+
+class LayoutFreeError(UserError, RuntimeError):
+    """A layout-free state that cannot be loaded into this run; the message names it."""
+
+
+def file_name(tp_rank: int, dp_rank: int) -> str:
+    return f"tp{tp_rank:02d}-dp{dp_rank:02d}.safetensors"
+
+
+def writer_of(index: int, dp_size: int) -> int:
+    """The data-parallel rank that writes parameter number `index` (round robin, so every
+    data-parallel rank writes about 1/dp of the bytes, in parallel)."""
+    return index % dp_size
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The tensor-parallel rank's shape of a parameter (ZeRO-3 parameters are empty
+    placeholders outside a gather and carry their shape in `ds_shape`)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def trained_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
+# (partition dim, stride) of our tensor-parallel buffers by name suffix: EMO's cost embedding
+# holds this rank's rows of the output layer [V/tp, h]. Other buffers are replicated (a
+# sharded one missing here fails the shape check at another tensor-parallel size).
+BUFFER_PARTITIONS = {"emo_cost_embedding": (0, 1)}
+BUFFER = "buffer"
+
+
+def saved_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint keeps (persistent ones: they are in the state dict)."""
+    persistent = set(module.state_dict(keep_vars=True))
+    return [(name, b) for name, b in module.named_buffers() if name in persistent]
+
+
+def buffer_partition(name: str):
+    for suffix, partition in BUFFER_PARTITIONS.items():
+        if name.endswith(suffix):
+            return partition
+    return None
+
+
+# ---- the ZeRO optimizers' flat groups -------------------------------------------------
+
+
+def _flat_groups(zero: Any) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
+    """(the parameters, the flat fp32 partition Adam steps) of each group of a ZeRO optimizer:
+    stage 1/2 name them bit16_groups / single_partition_of_fp32_groups, stage 3 fp16_groups /
+    fp32_partitioned_groups_flat."""
+    if hasattr(zero, "fp32_partitioned_groups_flat"):
+        return list(zip(zero.fp16_groups, zero.fp32_partitioned_groups_flat, strict=True))
+    return list(zip(zero.bit16_groups, zero.single_partition_of_fp32_groups, strict=True))
+
+
+def adam_steps(zero: Any) -> dict[int, int]:
+    """id(parameter) -> Adam's step count for its group (0 before the first step)."""
+    steps = {}
+    for params, flat in _flat_groups(zero):
+        step = zero.optimizer.state.get(flat, {}).get("step", 0)
+        for p in params:
+            steps[id(p)] = int(step)
+    return steps
+
+
+def ensure_adam_state(zero: Any) -> None:
+    """Give every group Adam's state as torch's AdamW creates it lazily at the first step (a
+    fresh engine, or one whose steps so far were all skipped as non-finite, has none, and
+    DeepSpeed's getters and setters read and write into it), then link each ZeRO 1/2
+    parameter's fragments of the moments.
+
+    The link is made every time: DeepSpeed 0.19.8's ZeRO 1/2 `load_checkpoint` rebuilds the
+    parameters' fragment mappings without their moments and keeps its flag saying they are
+    linked, so after a same-layout resume `safe_get_full_optimizer_state` fails until this."""
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    for params, flat in _flat_groups(zero):
+        state = zero.optimizer.state[flat]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+        if not hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO 3 reads the state itself
+            lazy_init_hp_params_optimizer_state(params, flat, zero.optimizer.state)
+    if hasattr(zero, "_hp_optimizer_states_linked"):
+        zero._hp_optimizer_states_linked = True
+
+
+def _set_adam_step(zero: Any, step: int) -> None:
+    state = zero.optimizer.state
+    for _, flat in _flat_groups(zero):
+        if isinstance(state[flat]["step"], torch.Tensor):
+            state[flat]["step"].fill_(step)
+        else:
+            state[flat]["step"] = step
+
+
+def _model_weights_from_masters(zero: Any) -> None:
+    """Copy the fp32 masters into the model's (training dtype) weights, as DeepSpeed does
+    after a step: ZeRO 1/2 copy each partition and all-gather; ZeRO 3 copies each rank's
+    partition (the model gathers it when it runs)."""
+    if hasattr(zero, "fp32_partitioned_groups_flat"):
+        for lp_flat, fp32_flat in zip(
+            zero.fp16_partitioned_groups_flat, zero.fp32_partitioned_groups_flat, strict=True
+        ):
+            if lp_flat is not None and fp32_flat.numel():
+                lp_flat.data.copy_(fp32_flat.data)
+    else:
+        zero.update_lp_params()
+
+
+def _get(param: torch.nn.Parameter, key: str) -> torch.Tensor:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    value = (
+        safe_get_full_fp32_param(param)
+        if key == "fp32"
+        else safe_get_full_optimizer_state(param, key)
+    )
+    if value is None:
+        raise RuntimeError(f"DeepSpeed holds no {key} for a parameter (not a ZeRO optimizer?)")
+    return value
+
+
+def _set(param: torch.nn.Parameter, key: str, value: torch.Tensor) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    if key == "fp32":
+        safe_set_full_fp32_param(param, value)
+    else:
+        safe_set_full_optimizer_state(param, value, key)
+
+
+# ---- a safetensors file written one tensor at a time ---------------------------------
+
+
+def _header(entries: list[tuple[str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+    """The safetensors header of float32 tensors stored back to back in `entries` order."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, shape in entries:
+        size = 4 * int(torch.Size(shape).numel())
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_tensor(handle, value: torch.Tensor) -> None:
+    host = value.detach().to("cpu", torch.float32).contiguous()
+    handle.write(memoryview(host.numpy()).cast("B"))
+
+
+# ---- save -------------------------------------------------------------------------------
+
+
+def save(
+    module: torch.nn.Module,
+    zero: Any,
+    directory: Path,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    dp_rank: int,
+    dp_size: int,
+    extra: dict[str, Any],
+) -> None:
+    """Write this rank's part of `directory/optim/`. Every data-parallel rank must call it
+    (each gather is a collective of the data-parallel group); data-parallel rank 0 of
+    tensor-parallel rank 0 writes the index, with `extra` (schedule, counters) in it."""
+    out = directory / OPTIM
+    out.mkdir(exist_ok=True)
+    ensure_adam_state(zero)
+    params = trained_parameters(module)
+    steps = adam_steps(zero)
+    mine = [i for i in range(len(params)) if writer_of(i, dp_size) == dp_rank]
+    entries = [(f"{params[i][0]}/{key}", full_shape(params[i][1])) for i in mine for key in KEYS]
+    # buffers are the same on every data-parallel rank: data-parallel rank 0 writes them
+    buffers = saved_buffers(module) if dp_rank == 0 else []
+    entries += [(f"{name}/{BUFFER}", tuple(b.shape)) for name, b in buffers]
+    metadata = {
+        "format": str(FORMAT),
+        "tensor_parallel_rank": str(tp_rank),
+        "steps": json.dumps({params[i][0]: steps[id(params[i][1])] for i in mine}),
+    }
+    with open(out / file_name(tp_rank, dp_rank), "wb") as handle:
+        handle.write(_header(entries, metadata))
+        for i, (_, param) in enumerate(params):
+            for key in KEYS:
+                value = _get(param, key)  # [full tensor-parallel shard], on every dp rank
+                if i in mine:
+                    _write_tensor(handle, value)
+                del value
+        for _, buffer in buffers:
+            _write_tensor(handle, buffer)
+    if tp_rank == 0 and dp_rank == 0:
+        index = {
+            "format": FORMAT,
+            "tensor_parallel": tp_size,
+            "data_parallel": dp_size,
+            "params": [
+                {
+                    "name": name,
+                    "canonical": canonical(name),
+                    "partition": partition_of_param(param),
+                    "shape": list(full_shape(param)),
+                    "step": steps[id(param)],
+                    "writer": writer_of(i, dp_size),
+                }
+                for i, (name, param) in enumerate(params)
+            ],
+            "buffers": [
+                {
+                    "name": name,
+                    "canonical": canonical(name),
+                    "partition": buffer_partition(name),
+                    "shape": list(buffer.shape),
+                    "writer": 0,
+                }
+                for name, buffer in saved_buffers(module)
+            ],
+            **extra,
+        }
+        (out / INDEX).write_text(json.dumps(index, indent=1))
+
+
+# ---- load -------------------------------------------------------------------------------
+
+
+def has_state(checkpoint: Path) -> bool:
+    return (checkpoint / OPTIM / INDEX).is_file()
+
+
+def read_index(checkpoint: Path) -> dict[str, Any]:
+    path = checkpoint / OPTIM / INDEX
+    try:
+        index = json.loads(path.read_text())
+        if index.get("format") != FORMAT:
+            raise ValueError(f"format {index.get('format')}, this version reads {FORMAT}")
+        int(index["tensor_parallel"]), int(index["data_parallel"]), list(index["params"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise LayoutFreeError(f"{path}: unreadable ({one_line(err)[:200]})") from None
+    return index
+
+
+def saved_tensors(
+    checkpoint: Path, index: dict[str, Any], entry: dict[str, Any], key: str, tp_ranks: list[int]
+) -> Iterator[torch.Tensor]:
+    """The saved shards of one parameter's `key` for tensor-parallel ranks `tp_ranks`, read
+    memory-mapped from the files that hold them."""
+    from safetensors import SafetensorError, safe_open
+
+    for tp in tp_ranks:
+        path = checkpoint / OPTIM / file_name(tp, entry["writer"])
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                yield handle.get_tensor(f"{entry['name']}/{key}")
+        except (SafetensorError, OSError) as err:
+            raise LayoutFreeError(f"{path}: unreadable ({one_line(err)[:200]})") from None
+
+
+def saved_full(checkpoint: Path, index: dict[str, Any], entry: dict[str, Any], key: str):
+    """One parameter's `key` in the TP 1 layout, merged from the saved shards."""
+    partition = entry["partition"] and tuple(entry["partition"])
+    shards = list(
+        saved_tensors(checkpoint, index, entry, key, list(range(index["tensor_parallel"])))
+    )
+    return merge(shards, partition)
+
+
+def slice_plan(
+    length: int, stride: int, saved_world: int, rank: int, world: int
+) -> list[tuple[int, int, int]]:
+    """Which pieces of the saved shards make rank `rank`'s shard at tensor parallel `world`:
+    [(saved rank, start, stop)] along the partition dim, in order, for a dim of `length` in
+    the TP 1 layout. The TP 1 tensor is `stride` blocks, each the saved ranks' pieces in
+    rank order (sharding.merge); the new shard is the TP 1 chunks rank, rank + world, ...
+    of length / (world * stride) (sharding.split)."""
+    block = length // stride
+    saved_piece, new_piece = block // saved_world, block // world
+    plan = []
+    for k in range(stride):
+        position = k * block + rank * new_piece  # chunk rank + k * world, in the TP 1 layout
+        end = position + new_piece
+        while position < end:
+            owner, offset = divmod(position % block, saved_piece)
+            take = min(saved_piece - offset, end - position)
+            plan.append((owner, k * saved_piece + offset, k * saved_piece + offset + take))
+            position += take
+    return plan
+
+
+def _saved_shard(checkpoint, index, entry, key, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This tensor-parallel rank's shard of one saved parameter, read memory-mapped: its own
+    saved file at the saved tensor-parallel size (or for a replicated parameter), else only
+    the pieces of the saved shards that make it (`slice_plan`)."""
+    from safetensors import SafetensorError, safe_open
+
+    partition = entry["partition"] and tuple(entry["partition"])
+    saved_world = index["tensor_parallel"]
+    if partition is None or saved_world == tp_size:
+        own = 0 if partition is None else tp_rank
+        return next(saved_tensors(checkpoint, index, entry, key, [own]))
+    dim, stride = partition
+    length = entry["shape"][dim] * saved_world  # the dim in the TP 1 layout
+    pieces = []
+    for owner, start, stop in slice_plan(length, stride, saved_world, tp_rank, tp_size):
+        path = checkpoint / OPTIM / file_name(owner, entry["writer"])
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                view = handle.get_slice(f"{entry['name']}/{key}")
+                index_ = [slice(None)] * len(view.get_shape())
+                index_[dim] = slice(start, stop)
+                pieces.append(view[tuple(index_)])
+        except (SafetensorError, OSError) as err:
+            raise LayoutFreeError(f"{path}: unreadable ({one_line(err)[:200]})") from None
+    return torch.cat(pieces, dim=dim)
+
+
+def load(
+    module: torch.nn.Module, zero: Any, checkpoint: Path, *, tp_rank: int, tp_size: int
+) -> dict[str, Any]:
+    """Set every parameter's fp32 master, Adam moments and step from the layout-free state,
+    then the model's weights from the masters; returns the index (schedule, counters)."""
+    index = read_index(checkpoint)
+    saved = {entry["canonical"]: entry for entry in index["params"]}
+    params = trained_parameters(module)
+    names = {canonical(name) for name, _ in params}
+    if names != set(saved):
+        missing, extra = sorted(names - set(saved)), sorted(set(saved) - names)
+        raise LayoutFreeError(
+            f"{checkpoint / OPTIM}: parameters differ from this model's "
+            f"(missing {missing[:3]}, not in the model {extra[:3]})"
+        )
+    ensure_adam_state(zero)
+    device = _flat_groups(zero)[0][1].device  # where the fp32 partitions live
+    steps = set()
+    for name, param in params:
+        entry = saved[canonical(name)]
+        if (entry["partition"] and tuple(entry["partition"])) != partition_of_param(param):
+            raise LayoutFreeError(f"{checkpoint / OPTIM}: {name} is partitioned differently")
+        for key in KEYS:
+            value = _saved_shard(checkpoint, index, entry, key, tp_rank, tp_size)
+            if tuple(value.shape) != full_shape(param):
+                raise LayoutFreeError(
+                    f"{checkpoint / OPTIM}: {name} has shape {tuple(value.shape)} at tensor "
+                    f"parallel {tp_size}, the model {full_shape(param)}"
+                )
+            _set(param, key, value.to(device))
+        steps.add(int(entry["step"]))
+    if len(steps) != 1:
+        # the engine steps every group together; different counts are not ours to merge
+        raise LayoutFreeError(f"{checkpoint / OPTIM}: Adam step counts differ: {sorted(steps)}")
+    _set_adam_step(zero, steps.pop())
+    _model_weights_from_masters(zero)
+    _load_buffers(module, checkpoint, index, tp_rank=tp_rank, tp_size=tp_size)
+    return index
+
+
+def _load_buffers(module, checkpoint: Path, index, *, tp_rank: int, tp_size: int) -> None:
+    """The saved buffers into this rank's module: EMO's cost embedding is made from the
+    weights the run started from, which a run at another layout need not make again alike
+    (GPU initialization draws each tensor-parallel shard from its own generator)."""
+    saved = {entry["canonical"]: entry for entry in index.get("buffers", [])}
+    for name, buffer in saved_buffers(module):
+        entry = saved.get(canonical(name))
+        if entry is None:
+            raise LayoutFreeError(f"{checkpoint / OPTIM}: no buffer {name}")
+        value = _saved_shard(checkpoint, index, entry, BUFFER, tp_rank, tp_size)
+        if value.shape != buffer.shape:
+            raise LayoutFreeError(
+                f"{checkpoint / OPTIM}: buffer {name} has shape {tuple(value.shape)} at tensor "
+                f"parallel {tp_size}, the model {tuple(buffer.shape)}"
+            )
+        with torch.no_grad():
+            buffer.copy_(value.to(buffer.device, buffer.dtype))
