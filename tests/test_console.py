@@ -23,6 +23,16 @@ def test_the_two_losses_are_named_for_what_they_add_up():
     assert "| loss (CE) | 2.4000 |" in markdown_table({"numeric": {"loss": 2.4}})
 
 
+def test_a_resumed_run_still_shows_its_held_out_metrics():
+    """A resumed run evaluated before training in its first part only: the table shows the
+    metrics after training with '-' before (it said there was no held-out data)."""
+    table = final_table(None, HELD_OUT, "CE + 0.1·del")
+    assert "no held-out data" not in table
+    row = next(line for line in table.splitlines() if line.startswith("held-out CE"))
+    assert row.split()[-2:] == ["-", "2.4000"]
+    assert final_table(None, None) == "no held-out data (eval.sources) to compare"
+
+
 def test_a_finished_run_says_how_to_evaluate_and_export_it(tmp_path, monkeypatch):
     """The commands named are those of the environment del-train runs in, and exist."""
     import shlex

@@ -40,8 +40,10 @@ def final_table(
 ) -> str:
     """Held-out metrics before and after training. Both the cross entropy (what del-eval's
     'loss (CE)' reports) and the training objective are named, since they differ."""
-    if before is None or after is None:
+    if after is None:
         return "no held-out data (eval.sources) to compare"
+    if before is None:  # a resumed run: the evaluation before training was its first part's
+        before = {}
     rows = [("held-out CE", "ce", ".4f")]
     if objective != "CE":
         rows.append((f"held-out loss ({objective})", "loss", ".4f"))
@@ -53,8 +55,9 @@ def final_table(
     width = max(len(label) for label, _, _ in rows)
     lines = [f"{'':{width}s} {'before':>10s} {'after':>10s}"]
     for label, key, fmt in rows:
-        if key in before and key in after:
-            lines.append(f"{label:{width}s} {before[key]:>10{fmt}} {after[key]:>10{fmt}}")
+        if key in after:
+            was = f"{before[key]:>10{fmt}}" if key in before else f"{'-':>10s}"
+            lines.append(f"{label:{width}s} {was} {after[key]:>10{fmt}}")
     return "\n".join(lines)
 
 
