@@ -422,8 +422,41 @@ class StreamingLoader:
         if not changes:
             self.load_state_dict(saved[self.dp_rank], saved[0]["segment"]["taken"])
             return ""
-        left = self._reshard(saved)
+        same_slots = first["dp_size"] * first["num_workers"] == self.slots
+        if same_slots and first["mix"] == self._mix() and first["settings"] == self._settings():
+            self._continue_slots(saved)
+            left = "every loader slot continues its own stream (data parallel x workers unchanged)"
+        else:
+            left = self._reshard(saved)
         return "data: " + "; ".join([*changes, left] if left else changes)
+
+    def _continue_slots(self, saved: dict[int, dict[str, Any]]) -> None:
+        """Another data-parallel size and worker count with as many slots as before
+        (dp x workers), the mix and settings unchanged: slot s keeps its stream, so the run
+        reads the documents in the order an unchanged run would. A new segment (for the
+        trace) over the same plan: the old segment's start and taken sets."""
+        first = saved[0]
+        old_workers, segment = first["num_workers"], first["segment"]
+        follows = {
+            "segment": segment["id"],
+            "consumed": {str(r): saved[r]["consumed"] for r in range(first["dp_size"])},
+        }
+        name = json.dumps([follows, self.dp_size, self.workers, self._mix(), self._settings()])
+        self.segment = Segment(
+            segment["number"] + 1,
+            list(segment["start"]),
+            self._decode_taken(segment["taken"]),
+            segment["batch_limit"],
+            id=hashlib.sha256(name.encode()).hexdigest()[:12],
+            follows=follows,
+        )
+        self.worker_states = {}
+        for worker in range(self.workers):
+            rank, old_worker = divmod(self.slot(worker), old_workers)
+            state = saved[rank]["workers"].get(str(old_worker))
+            if state is not None:  # else that slot had not made a batch yet: it starts fresh
+                self.worker_states[worker] = state
+        self.consumed = self.offset = 0
 
     def _changes(self, saved: dict[str, Any]) -> list[str]:
         """What differs between a saved state and this loader, in words (empty: nothing)."""

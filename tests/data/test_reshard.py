@@ -266,3 +266,22 @@ def test_a_skipped_shard_of_a_striding_source_stays_skipped(corpora, tmp_path):
     run.segment(_cfg([(few, 1.0)], epochs=1, on_error="skip", num_workers=2), 2, take=5)
     run.segment(cfg, 3, take=None)
     assert _epoch(run.trained(), 0) == _lengths(few, {victim})
+
+
+def test_as_many_slots_at_another_layout_read_what_an_unchanged_run_reads(corpora, tmp_path):
+    """dp 2 x 1 worker -> dp 1 x 2 workers: the same two slots, so each keeps its stream and the
+    run reads its batches in the order an unchanged run would (the trainer's held-out loss
+    then matches an uninterrupted run's: tests/training/test_resume_layouts.py)."""
+    sources = [(corpora["many"], 0.7), (corpora["few"], 0.3)]
+    straight = [StreamingLoader(_cfg(sources), rank, 2) for rank in range(2)]
+    iterators = [iter(loader) for loader in straight]
+    per_rank = [[next(it) for _ in range(8)] for it in iterators]
+    unchanged = [per_rank[rank][step] for step in range(4, 8) for rank in range(2)]
+
+    run = Run(tmp_path)
+    run.segment(_cfg(sources), 2, take=4)
+    resumed = StreamingLoader(_cfg(sources, num_workers=2), 0, 1)
+    message = resumed.resume(run.states)
+    assert "data-parallel size 2 -> 1" in message and "every loader slot continues" in message
+    for expected, batch in zip(unchanged, resumed, strict=False):
+        assert all(torch.equal(expected[k], batch[k]) for k in ("tokens", "labels", "loss_mask"))
