@@ -272,8 +272,19 @@ def test_node_range_resumes_on_the_nodes_left(synth_tokenizer, synth_shards, tmp
     """--nodes=1-2: the job starts on both nodes (data parallel 2), is preempted, node n2 goes
     down before the requeue, and the job continues on n1 alone (data parallel 1, twice the
     accumulation steps) from the checkpoint, to the end."""
+    from ..training.test_resume_layouts import epoch_documents, steps_past_the_epoch
+
     out = tmp_path / "run"
-    args = overrides(synth_tokenizer, synth_shards, out, "parallel.tensor_parallel=1")
+    documents = epoch_documents(synth_shards)
+    steps = steps_past_the_epoch(documents)
+    args = overrides(
+        synth_tokenizer,
+        synth_shards,
+        out,
+        "parallel.tensor_parallel=1",
+        f"train.steps={steps}",
+        f"data.trace={out / 'trace'}",
+    )
     job, _ = sbatch(tmp_path, args, nodes="1-2")
     wait_for_step(job, out, 3)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job.id], check=True)
@@ -293,6 +304,11 @@ def test_node_range_resumes_on_the_nodes_left(synth_tokenizer, synth_shards, tmp
     assert "checking the run for 1 rank(s)" in log
     stopped = int(re.search(r"checkpoint of step (\d+) saved", log).group(1))
     assert f"resumed from {out}/checkpoints/step-{stopped:07d} at step {stopped}" in log
-    assert "data-parallel size 1" in log, log[-3000:]
+    assert "data: data-parallel size 2 -> 1" in log, log[-3000:]
     rows = metrics(out)
-    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # every step once
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))  # every step once
+    from del_megatron.data.trace import trained
+
+    tokens = trained(out / "trace")  # every document of the epoch, all its tokens, once
+    assert {(s, d): n for (_, e, s, d), n in tokens.items() if e == 0} == documents
+    assert all(n <= documents[(s, d)] for (_, e, s, d), n in tokens.items() if e > 0)

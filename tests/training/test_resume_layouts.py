@@ -34,6 +34,12 @@ def epoch_documents(manifest: Path) -> dict[tuple[int, int], int]:
     return out
 
 
+def steps_past_the_epoch(documents: dict[tuple[int, int], int]) -> int:
+    """Steps that take every slot past the epoch: slots read shards of unequal sizes, so some
+    reach the next epoch before others finish this one."""
+    return math.ceil(1.3 * sum(documents.values()) / (GLOBAL_BATCH * SEQ_LEN))
+
+
 def segment(args: list[str], nproc: int, *, stop_after: int | None, out: Path) -> tuple[int, str]:
     """Run del-train on `nproc` ranks; with stop_after, SIGUSR1 to the last rank once the
     metrics show that step. Returns the step the segment ended at."""
@@ -64,9 +70,7 @@ def test_epoch_interrupted_twice_at_other_layouts_trains_every_document_once(
     heldout = tmp_path / "heldout"
     build_shards([synth_corpus / "heldout.jsonl"], heldout, synth_tokenizer, progress=False)
     documents = epoch_documents(synth_shards)
-    # past the epoch on every slot: slots read shards of unequal sizes, so some reach the
-    # next epoch before others finish this one
-    steps = math.ceil(1.3 * sum(documents.values()) / (GLOBAL_BATCH * SEQ_LEN))
+    steps = steps_past_the_epoch(documents)
 
     def args(out: Path, *extra: str) -> list[str]:
         return train_args(
