@@ -303,17 +303,12 @@ def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
     """Restore model, optimizer, scheduler, RNG and this rank's loader; returns the step."""
     meta = check(path, run.cfg, run.tokenizer.fingerprint, run.world)
     saved, wanted = saved_layout(meta), run_layout(run.cfg, run.world)
-    # the data loader's layout: its states are saved per global rank, so a position by
-    # position load needs the same data-parallel size and the same ranks
-    same_layout = meta.get("data_parallel") == run.dp_size and meta.get("world_size") == run.world
     if changed(saved, wanted):
         _load_layout_free(run, path)
         if run.is_main:
-            data = "" if same_layout else ", data continues at the next epoch"
             print(
                 f"resuming at {describe(wanted)} (saved at {describe(saved)}): fp32 weights, "
-                f"Adam moments and steps and the schedule restored from the layout-free "
-                f"state{data}",
+                "Adam moments and steps and the schedule restored from the layout-free state",
                 flush=True,
             )
     else:
