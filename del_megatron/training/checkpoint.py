@@ -369,8 +369,11 @@ def _load_layout_free(run: Any, path: Path) -> None:
         tp_size=run.cfg.parallel.tensor_parallel,
     )
     # the schedule's position, set rather than stepped to: LambdaLR's rate is a function of
-    # it alone, and non-finite steps (which skip the schedule) are counted in it
-    run.scheduler.last_epoch = int(index["scheduler_last_epoch"]) - 1
+    # it alone, and non-finite steps (which skip the schedule) are counted in it; through
+    # the scheduler's own state dict, then one step to recompute the rates
+    schedule = run.scheduler.state_dict()
+    schedule["last_epoch"] = int(index["scheduler_last_epoch"]) - 1
+    run.scheduler.load_state_dict(schedule)
     run.scheduler.step()
     engine.global_steps = int(index["global_steps"])
     engine.global_samples = int(index["global_samples"])
