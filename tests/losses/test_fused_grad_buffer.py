@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from del_megatron import DigitVocab, NumericLossConfig, emo_cost_embedding
@@ -17,16 +16,6 @@ from del_megatron.losses.fused import common_factor, vocab_parallel_fused_numeri
 aten = torch.ops.aten
 VOCAB, HIDDEN, SEQ, BATCH, CHUNK = 1024, 16, 40, 2, 8
 CHUNKS = -(-SEQ * BATCH // CHUNK)
-
-
-@pytest.fixture(scope="module")
-def group():
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if started:
-        dist.destroy_process_group()
 
 
 class Allocations(TorchDispatchMode):

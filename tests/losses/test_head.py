@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from del_megatron import DigitVocab, NumericLossConfig, emo_cost_embedding
@@ -20,16 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 aten = torch.ops.aten
 VOCAB, HIDDEN, SEQ, BATCH = 256, 8, 12, 2
-
-
-@pytest.fixture(scope="module")
-def group():
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if started:
-        dist.destroy_process_group()
 
 
 class Products(TorchDispatchMode):
