@@ -422,13 +422,37 @@ class StreamingLoader:
         if not changes:
             self.load_state_dict(saved[self.dp_rank], saved[0]["segment"]["taken"])
             return ""
+        # as many slots, the same mix and settings: each slot keeps its stream. Not with finite
+        # epochs: slots have made unequal batch counts, so ranks would be left with different
+        # counts to the end (one would stop while the others wait in a collective)
         same_slots = first["dp_size"] * first["num_workers"] == self.slots
-        if same_slots and first["mix"] == self._mix() and first["settings"] == self._settings():
+        unchanged = first["mix"] == self._mix() and first["settings"] == self._settings()
+        if same_slots and unchanged and self.cfg.epochs is None:
             self._continue_slots(saved)
             left = "every loader slot continues its own stream (data parallel x workers unchanged)"
         else:
             left = self._reshard(saved)
         return "data: " + "; ".join([*changes, left] if left else changes)
+
+    def _next_segment(
+        self, saved: dict[int, dict[str, Any]], start: list[int], taken: list[dict[int, Any]]
+    ) -> Segment:
+        """The segment after the saved one: it follows it from the batches each of its ranks
+        had consumed (the trace cuts what a kill lost there), named by what it continues and
+        how it reads."""
+        segment = saved[0]["segment"]
+        follows = {
+            "segment": segment["id"],
+            "consumed": {str(r): saved[r]["consumed"] for r in range(saved[0]["dp_size"])},
+        }
+        name = json.dumps([follows, self.dp_size, self.workers, self._mix(), self._settings()])
+        return Segment(
+            segment["number"] + 1,
+            start,
+            taken,
+            id=hashlib.sha256(name.encode()).hexdigest()[:12],
+            follows=follows,
+        )
 
     def _continue_slots(self, saved: dict[int, dict[str, Any]]) -> None:
         """Another data-parallel size and worker count with as many slots as before
@@ -437,19 +461,10 @@ class StreamingLoader:
         trace) over the same plan: the old segment's start and taken sets."""
         first = saved[0]
         old_workers, segment = first["num_workers"], first["segment"]
-        follows = {
-            "segment": segment["id"],
-            "consumed": {str(r): saved[r]["consumed"] for r in range(first["dp_size"])},
-        }
-        name = json.dumps([follows, self.dp_size, self.workers, self._mix(), self._settings()])
-        self.segment = Segment(
-            segment["number"] + 1,
-            list(segment["start"]),
-            self._decode_taken(segment["taken"]),
-            segment["batch_limit"],
-            id=hashlib.sha256(name.encode()).hexdigest()[:12],
-            follows=follows,
+        self.segment = self._next_segment(
+            saved, list(segment["start"]), self._decode_taken(segment["taken"])
         )
+        self.segment.batch_limit = segment["batch_limit"]
         self.worker_states = {}
         for worker in range(self.workers):
             rank, old_worker = divmod(self.slot(worker), old_workers)
@@ -546,18 +561,7 @@ class StreamingLoader:
                 for i, tokens in enumerate((state or {}).get("drawn", [])):
                     drawn[i] += tokens
             drawn = [d // self.slots for d in drawn]
-        follows = {
-            "segment": segment["id"],
-            "consumed": {str(r): saved[r]["consumed"] for r in range(old_dp)},
-        }
-        name = json.dumps([follows, self.dp_size, self.workers, self._mix(), self._settings()])
-        self.segment = Segment(
-            segment["number"] + 1,
-            start,
-            taken,
-            id=hashlib.sha256(name.encode()).hexdigest()[:12],
-            follows=follows,
-        )
+        self.segment = self._next_segment(saved, start, taken)
         self.segment.batch_limit = self._batches_per_worker(
             self.segment, [len(tokens) for tokens, _, _ in handed]
         )
@@ -605,7 +609,9 @@ def _taken_after(
     before: taken at the segment's start; positions[k]: old slot k's reader position."""
     reached = [p["epoch"] for p in positions]
     epochs: dict[int, np.ndarray] = {}
-    for epoch in range(min(reached), max(reached) + 1):
+    # up to the last epoch with documents taken, also one no slot has reached in this
+    # segment (taken before it by a slot that was ahead)
+    for epoch in range(min(reached), max([*reached, *before]) + 1):
         taken = before.get(epoch, np.zeros(manifest.documents, bool)).copy()
         prior = before.get(epoch)
         streams: dict = {}  # one striding document stream per epoch, shared by the slots

@@ -285,3 +285,38 @@ def test_as_many_slots_at_another_layout_read_what_an_unchanged_run_reads(corpor
     assert "data-parallel size 2 -> 1" in message and "every loader slot continues" in message
     for expected, batch in zip(unchanged, resumed, strict=False):
         assert all(torch.equal(expected[k], batch[k]) for k in ("tokens", "labels", "loss_mask"))
+
+
+def test_finite_epochs_at_the_same_slot_count_give_every_rank_the_same_batch_count(
+    corpora, tmp_path
+):
+    """dp 2 x 2 workers -> dp 4 x 1 worker: slots have made unequal batch counts (3 a rank over
+    2 workers), so keeping each slot's stream would leave ranks with different counts left and
+    one rank would stop while the others wait in a collective; finite epochs reshard."""
+    run = Run(tmp_path)
+    sources = [(corpora["many"], 1.0), (corpora["few"], 1.0)]
+    run.segment(_cfg(sources, epochs=1, num_workers=2), 2, take=3)
+    run.segment(_cfg(sources, epochs=1), 4, take=None)
+    assert len(set(run.batch_counts)) == 1, run.batch_counts
+    expected = {**_lengths(corpora["many"]), **_lengths(corpora["few"])}
+    assert _epoch(run.trained(), 0) == expected
+
+
+def test_a_taken_epoch_ahead_of_every_slot_survives_the_next_reshard(corpora):
+    """A segment can start with documents of a later epoch taken (a fast slot had reached it);
+    if the next save finds every slot still in the earlier epoch, that later epoch's taken set
+    must be carried on, or the reshard after it reads those documents again."""
+    from del_megatron.data import cursor
+    from del_megatron.data.format import read_manifest
+    from del_megatron.data.loader import _taken_after
+
+    manifest = read_manifest(str(corpora["many"]))
+    ahead = np.zeros(manifest.documents, bool)
+    ahead[:3] = True
+    before = {0: np.zeros(manifest.documents, bool), 1: ahead}
+    before[0][:5] = True
+    start = {"epoch": 0, "shard_pos": 0, "sample_pos": 0, "seen": 0, "taken": 0}
+    order = cursor.Order(5, True, 0)
+    first, taken = _taken_after(manifest, order, before, [start, dict(start)], [set(), set()], 2)
+    assert first == 0
+    assert np.array_equal(taken[1], ahead)
