@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from .format import Manifest
+from ..errors import one_line
+from .format import DataError, Manifest
 
 
 def rng(*key: int) -> np.random.Generator:
@@ -161,7 +162,15 @@ def encode(taken: np.ndarray) -> str:
 
 
 def decode(text: str, documents: int) -> np.ndarray:
-    bits = np.frombuffer(zlib.decompress(base64.b64decode(text)), np.uint8)
+    try:
+        bits = np.frombuffer(zlib.decompress(base64.b64decode(text, validate=True)), np.uint8)
+        if len(bits) * 8 < documents:
+            raise ValueError(f"{len(bits) * 8} bits for {documents} documents")
+    except (TypeError, ValueError, zlib.error) as err:  # binascii.Error is a ValueError
+        raise DataError(
+            f"data_state.json: a taken-document set is corrupt ({one_line(err)[:120]}): "
+            "resume from another checkpoint"
+        ) from None
     return np.unpackbits(bits, count=documents).astype(bool)
 
 

@@ -68,16 +68,51 @@ def resume_refusal(state: dict[str, Any], dp_size: int, num_workers: int, source
     return ""
 
 
+STATE_FIELDS = {  # what a per-rank state of each version holds at its top level
+    1: ("dp_rank", "dp_size", "num_workers", "consumed", "workers"),
+    2: ("dp_rank", "dp_size", "num_workers", "consumed", "workers", "segment", "mix", "settings"),
+}
+
+
+def states_by_rank(states: Any) -> dict[int, dict[str, Any]]:
+    """data_state.json's per-rank states by data-parallel rank (tensor-parallel peers save the
+    same one), every rank of the saved layout present; one line for a file that is not what
+    we write."""
+    if not isinstance(states, list):
+        raise DataError("data_state.json: not a list of per-rank data-loader states")
+    saved: dict[int, dict[str, Any]] = {}
+    for number, state in enumerate(states):
+        if not state:
+            continue
+        fields = STATE_FIELDS.get(state.get("version")) if isinstance(state, dict) else None
+        if fields is not None and any(field not in state for field in fields):
+            fields = None
+        if fields is None or not isinstance(state["dp_rank"], int):
+            raise DataError(
+                f"data_state.json: entry {number} is not a data-loader state this del-megatron "
+                "reads: resume from another checkpoint"
+            )
+        saved.setdefault(state["dp_rank"], state)
+    if saved:
+        dp_size = saved[min(saved)]["dp_size"]
+        missing = [r for r in range(dp_size) if r not in saved]
+        if missing:
+            raise DataError(
+                f"data_state.json has no data-loader state of data-parallel rank {missing[0]} "
+                f"(of {dp_size}): the checkpoint is incomplete; resume from another"
+            )
+    return saved
+
+
 def check_resumable(
     states: list[dict[str, Any] | None], dp_size: int, num_workers: int, sources: int
 ) -> None:
     """The refusals StreamingLoader.resume would make for these saved per-rank states, made
     before anything starts: preflight runs it, so a dry run catches them."""
-    for state in states:
-        if state:
-            refusal = resume_refusal(state, dp_size, num_workers, sources)
-            if refusal:
-                raise DataError(refusal)
+    for state in states_by_rank(states).values():
+        refusal = resume_refusal(state, dp_size, num_workers, sources)
+        if refusal:
+            raise DataError(refusal)
 
 
 @dataclass
@@ -399,22 +434,13 @@ class StreamingLoader:
         """Continue from a checkpoint's per-rank states (data_state.json: one per global rank,
         tensor-parallel peers alike) whatever layout and data mix they were saved with.
         Returns one line saying what changed ('' when nothing did)."""
-        saved: dict[int, dict[str, Any]] = {}
-        for state in states:
-            if state:
-                saved.setdefault(state["dp_rank"], state)
+        saved = states_by_rank(states)
         if not saved:
             return ""
         first = saved[min(saved)]
         refusal = resume_refusal(first, self.dp_size, self.workers, len(self.manifests))
         if refusal:
             raise DataError(refusal)
-        missing = [r for r in range(first["dp_size"]) if r not in saved]
-        if missing:
-            raise DataError(
-                f"data_state.json has no data-loader state of data-parallel rank {missing[0]} "
-                f"(of {first['dp_size']}): the checkpoint is incomplete; resume from another"
-            )
         if first["version"] == 1:
             self.load_state_dict(saved[self.dp_rank])
             return ""

@@ -320,3 +320,27 @@ def test_a_taken_epoch_ahead_of_every_slot_survives_the_next_reshard(corpora):
     first, taken = _taken_after(manifest, order, before, [start, dict(start)], [set(), set()], 2)
     assert first == 0
     assert np.array_equal(taken[1], ahead)
+
+
+def test_a_malformed_data_state_is_one_line_at_the_dry_run_and_the_resume(corpora):
+    """What a user's tampered or truncated data_state.json gives: one DataError line naming the
+    file, from the dry run's check and the resume alike (not a KeyError or a zlib error)."""
+    cfg = _cfg([(corpora["many"], 1.0), (corpora["few"], 1.0)])
+    saved = [StreamingLoader(cfg, rank, 2).state_dict() for rank in range(2)]
+    no_segment = [dict(saved[0]), saved[1]]
+    del no_segment[0]["segment"]
+    bad_taken = json.loads(json.dumps(saved))
+    bad_taken[0]["segment"]["taken"] = [{"0": "not base64!"}, {}]
+    cases = {
+        "not a list": ({"dp_rank": 0}, "not a list of per-rank"),
+        "a field missing": (no_segment, "entry 0 is not a data-loader state"),
+        "a rank missing": ([saved[1]], "no data-loader state of data-parallel rank 0"),
+        "a corrupt taken set": (bad_taken, "a taken-document set is corrupt"),
+    }
+    for name, (states, expected) in cases.items():
+        with pytest.raises(DataError) as err:
+            StreamingLoader(cfg, 0, 1).resume(states)
+        assert expected in str(err.value) and "\n" not in str(err.value), name
+        if name != "a corrupt taken set":  # decoded at the resume only
+            with pytest.raises(DataError, match=expected):
+                check_resumable(states, 1, 0, 2)
