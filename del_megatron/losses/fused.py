@@ -23,6 +23,7 @@ megatron's `copy_to_tensor_model_parallel_region`, as for its own output layer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -110,17 +111,24 @@ def common_factor(got: list[torch.Tensor], predicted: list[torch.Tensor]) -> flo
     (the rounding of the two ways of forming it), or None when there is no such s."""
     got_flat = torch.cat([g.reshape(-1) for g in got]).double()
     pred_flat = torch.cat([p.reshape(-1) for p in predicted]).double()
-    norm = float(pred_flat.square().sum())
-    largest = float(got_flat.abs().max()) if got_flat.numel() else 0.0
+    if not got_flat.numel():
+        return 0.0
+    # everything on the device, one host read (a backward must not wait four times)
+    norm = pred_flat.square().sum()
+    scale = got_flat.dot(pred_flat) / norm  # not finite when norm is 0: not used then
+    residual = (got_flat - scale * pred_flat).abs().max()
+    norm, largest, scale, residual = torch.stack(
+        [norm, got_flat.abs().max(), scale, residual]
+    ).tolist()
     if norm == 0.0:
         return 0.0 if largest == 0.0 else None
-    scale = float(got_flat.dot(pred_flat)) / norm
     eps = torch.finfo(got[0].dtype).eps
-    if float((got_flat - scale * pred_flat).abs().max()) > 256 * eps * largest:
+    if residual > 256 * eps * largest:
         return None
     return scale
 
 
+@functools.cache  # the probe reads its result to the host: once per (device, dtype)
 def addmm_out_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch accepts `torch.addmm(acc, a, b, out_dtype=float32, out=acc)` with
     half operands on this device (CUDA builds do; CPU 2.13 does not), and sums into `acc`:
