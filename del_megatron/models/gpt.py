@@ -27,6 +27,7 @@ class NumericLossGPTModel(GPTModel):
         # freeze_emo_cost_embedding for weights loaded afterwards
         weight = self.output_weight() if self.post_process else None
         self.head = NumericLossHead(digit_vocab, loss_config, weight)
+        self.register_load_state_dict_pre_hook(emo_buffer_saved_before_the_head)
 
     def output_weight(self) -> torch.Tensor:
         """This rank's output-layer rows [V/tp, h] (the embedding's when they are tied)."""
@@ -62,6 +63,14 @@ class NumericLossGPTModel(GPTModel):
             hidden_states, weight=weight if self.share_embeddings_and_output_weights else None
         )
         return self.head(labels, loss_mask, group, logits=logits)
+
+
+def emo_buffer_saved_before_the_head(module, state_dict, prefix, *args) -> None:
+    """Checkpoints saved before the loss head (2026-12-01) kept EMO's cost embedding as the
+    model's own buffer `emo_cost_embedding`: read it as the head's."""
+    old = prefix + "emo_cost_embedding"
+    if old in state_dict:
+        state_dict[prefix + "head.emo_cost_embedding"] = state_dict.pop(old)
 
 
 def loss_func(loss_mask: torch.Tensor, output: NumericLossOutput):

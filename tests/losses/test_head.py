@@ -120,3 +120,23 @@ def test_the_head_takes_hidden_or_logits(group):
         head(labels, mask, group, hidden=hidden, logits=hidden @ weight.T)
     with pytest.raises(ValueError, match="needs output_weight"):
         head(labels, mask, group, hidden=hidden)
+
+
+def test_an_emo_checkpoint_saved_before_the_head_loads_its_cost_embedding():
+    """Before the loss head the buffer was the model's own `emo_cost_embedding`; a strict
+    load (DeepSpeed's resume) of such a state dict finds it as `head.emo_cost_embedding`."""
+    from del_megatron.models.gpt import emo_buffer_saved_before_the_head
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Module()
+            self.head.register_buffer("emo_cost_embedding", torch.zeros(3, 2))
+            self.register_load_state_dict_pre_hook(emo_buffer_saved_before_the_head)
+
+    saved = torch.arange(6.0).reshape(3, 2)
+    model = Model()
+    model.load_state_dict({"emo_cost_embedding": saved}, strict=True)
+    assert torch.equal(model.head.emo_cost_embedding, saved)
+    model.load_state_dict({"head.emo_cost_embedding": saved + 1}, strict=True)  # today's name
+    assert torch.equal(model.head.emo_cost_embedding, saved + 1)
