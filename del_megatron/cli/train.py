@@ -94,7 +94,12 @@ def _cuda_available() -> bool:
 
 
 def _node_leader() -> bool:
-    return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0"
+    # LOCAL_RANK names the device once bound (models/device.bind_local_device): the
+    # launcher's own value is kept beside it
+    from ..models.device import LAUNCHER_LOCAL_RANK
+
+    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    return os.environ.get(LAUNCHER_LOCAL_RANK, local) == "0"
 
 
 # Set by our launchers (launch/torchrun.sh): a directory where a rank that stops on a user's

@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+
+from ..errors import UserError
 
 FUSION_FLAGS = (
     "bias_activation_fusion",
@@ -75,12 +78,48 @@ def process_group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def bind_local_device(device: torch.device, local_rank: int) -> None:
-    """Each rank of a node on its own GPU. A cluster that binds GPUs to tasks (srun
-    --gpus-per-task, --gpu-bind) shows each rank fewer devices than ranks per node; the
-    local rank modulo the visible devices is right in both cases."""
-    if device.type == "cuda":
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+# Where the launcher's node-local rank is kept once LOCAL_RANK holds the device index
+# (`bind_local_device`): the rank that prints once a node reads it.
+LAUNCHER_LOCAL_RANK = "DEL_LAUNCHER_LOCAL_RANK"
+
+
+def local_device_index(env: Mapping[str, str], device_count: int) -> int:
+    """The CUDA device (an index among those this process sees) of this rank.
+
+    env: the process environment (LOCAL_RANK, or SLURM_LOCALID under srun; LOCAL_WORLD_SIZE
+    when torchrun started it); device_count: the devices this process sees (after
+    CUDA_VISIBLE_DEVICES). Every rank of a node that sees the node's devices (torchrun, srun
+    without GPU binding) takes its local rank; a task bound to one GPU (srun
+    --gpus-per-task=1, --gpu-bind) sees that GPU alone, as device 0, whatever its local rank.
+    Anything else would put two ranks on one device (NCCL refuses it) or leave the choice to
+    chance: one line naming what was seen.
+    """
+    local = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
+    if device_count < 1:
+        raise UserError("train.device=cuda but this process sees no CUDA device")
+    if local < device_count:
+        return local
+    if device_count == 1 and "LOCAL_WORLD_SIZE" not in env:  # srun's per-task binding
+        return 0
+    visible = env.get("CUDA_VISIBLE_DEVICES", "unset")
+    raise UserError(
+        f"local rank {local} but this process sees {device_count} CUDA device(s) "
+        f"(CUDA_VISIBLE_DEVICES={visible}): start one rank per GPU (torchrun --nproc_per_node "
+        "at most the GPUs, or srun --gpus-per-task=1)"
+    )
+
+
+def bind_local_device(device: torch.device, env: MutableMapping[str, str]) -> None:
+    """Each rank of a node on its own GPU (`local_device_index`), before the process group
+    exists. DeepSpeed binds `cuda:LOCAL_RANK` itself (deepspeed/comm/torch.py device_id,
+    engine `_set_distributed_vars`, ZeRO 3's `Init`): LOCAL_RANK is set to the same index,
+    the launcher's value kept under LAUNCHER_LOCAL_RANK."""
+    if device.type != "cuda":
+        return
+    index = local_device_index(env, torch.cuda.device_count())
+    env.setdefault(LAUNCHER_LOCAL_RANK, env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
+    env["LOCAL_RANK"] = str(index)
+    torch.cuda.set_device(index)
 
 
 def batch_to_device(
