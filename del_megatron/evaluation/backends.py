@@ -106,7 +106,14 @@ def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
     arch = weights.arch
     check_vocabulary(arch.vocab_size, tokenizer, f"{path}/{WEIGHTS}/arch.json")
     _single_process_groups()
-    model = build_llama(arch, tokenizer.digit_vocab, NumericLossConfig(kind="mle"), device)
+    model = build_llama(
+        arch,
+        tokenizer.digit_vocab,
+        NumericLossConfig(kind="mle"),
+        device,
+        seed=0,  # nothing is drawn: every weight is loaded, no dropout in evaluation
+        weights_follow=True,
+    )
     load_megatron(model, weights, arch.padded_vocab_size(1))
     model.eval()
     vocab = tokenizer.vocab_size  # columns past the tokenizer's are padding, as in training

@@ -164,6 +164,20 @@ def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:
     }
 
 
+def seed_rngs(seed: int, *, cuda_tracker: bool) -> None:
+    """torch's generators (every device) and, with `cuda_tracker`, megatron's tensor-parallel
+    CUDA RNG tracker. A model built for CUDA (`use_cpu_initialization=False`) draws from the
+    tracker: megatron's weight init (`_initialize_affine_weight_gpu`), dropout inside
+    tensor-parallel regions and activation recompute fork it, and an unseeded tracker raises
+    "cuda rng state model-parallel-rng is not added". Every build seeds it first
+    (models/llama.model_config)."""
+    torch.manual_seed(seed)
+    if cuda_tracker:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
 def model_dtype(device: torch.device) -> torch.dtype:
     """Parameters and activations: bf16 on GPU, float32 on CPU."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16

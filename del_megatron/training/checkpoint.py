@@ -168,11 +168,9 @@ def derived_seed(seed: int, step: int, dp_rank: int) -> int:
 
 
 def seed_rng(seed: int, device: torch.device) -> None:
-    torch.manual_seed(seed)
-    if device.type == "cuda":
-        from megatron.core import tensor_parallel
+    from ..models.device import seed_rngs
 
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    seed_rngs(seed, cuda_tracker=device.type == "cuda")
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:

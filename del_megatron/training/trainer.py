@@ -26,7 +26,7 @@ from ..models.device import (
     select_accelerator,
 )
 from . import progress
-from .initial_weights import initialize_weights
+from .initial_weights import initialize_weights, open_initial_weights
 from .metrics import PairSum, Reporter, StepMetrics, means
 from .schedule import lr_factor
 from .signals import StopRequest, agree
@@ -80,9 +80,8 @@ class Run:
 def setup(cfg: RunConfig) -> Run:
     device = resolve_device(cfg.train.device)
     select_accelerator(device)
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
-    from ..models import build_llama
     from ..parallel import MegatronMPU, init_distributed, init_model_parallel
     from ..tokenizer import Tokenizer
 
@@ -90,25 +89,13 @@ def setup(cfg: RunConfig) -> Run:
     dp_size = cfg.data_parallel_size(world)
     accumulation = cfg.accumulation_steps(world)
     init_model_parallel(cfg.parallel.tensor_parallel)
-    torch.manual_seed(cfg.train.seed)
-    if device.type == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
-
     tokenizer = Tokenizer(cfg.tokenizer_path())
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
             f"tokenizer's {tokenizer.vocab_size} tokens"
         )
-    model = build_llama(
-        cfg.model,
-        tokenizer.digit_vocab,
-        cfg.loss,
-        device,
-        **recompute_overrides(device, cfg.train.activation_checkpointing),
-    )
-    initialize_weights(cfg, model)
-    model.freeze_emo_cost_embedding()  # from the weights the run starts from
+    model = build_model(cfg, device, tokenizer)
 
     import deepspeed
 
@@ -144,6 +131,28 @@ def setup(cfg: RunConfig) -> Run:
         flops_per_token=float(flops),
         peak_flops=peak_flops(device),
     )
+
+
+def build_model(cfg: RunConfig, device: torch.device, tokenizer) -> torch.nn.Module:
+    """The run's model on `device` (megatron's parallel state initialized): built by the one
+    builder (`models/llama.build_llama`: RNGs seeded with train.seed, megatron's random init
+    skipped when initial weights load right after), the initial weights loaded, the EMO cost
+    embedding frozen from them."""
+    from ..models import build_llama
+
+    initial = open_initial_weights(cfg)
+    model = build_llama(
+        cfg.model,
+        tokenizer.digit_vocab,
+        cfg.loss,
+        device,
+        seed=cfg.train.seed,
+        weights_follow=initial is not None,
+        **recompute_overrides(device, cfg.train.activation_checkpointing),
+    )
+    initialize_weights(cfg, model, initial)
+    model.freeze_emo_cost_embedding()  # from the weights the run starts from
+    return model
 
 
 def trace_file(cfg: RunConfig, dp_rank: int) -> str | None:
