@@ -1,9 +1,10 @@
 """Every device-dependent choice of the model, in one place.
 
-GPU: Transformer Engine layer spec when installed (fused kernels, flash attention), bf16,
-fusions on. CPU: megatron-core's local spec with a scaled-dot-product core attention and a
-rotary embedding kept on the CPU, float32, fusions off. The CPU shims are applied only when
-the device is the CPU.
+GPU: Transformer Engine layer spec when installed (fused kernels, flash attention), else
+megatron-core's local spec with torch's scaled-dot-product core attention; bf16; fusions
+where they work. CPU: the local spec with the same core attention and a rotary embedding
+kept on the CPU, float32, fusions off. The CPU shims are applied only when the device is
+the CPU.
 """
 
 from __future__ import annotations
@@ -214,9 +215,12 @@ def gpt_layer_spec(device: torch.device, *, qk_layernorm: bool = False):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         normalization="RMSNorm", qk_layernorm=qk_layernorm
     )
-    if device.type == "cpu":
-        # The stock local attention allocates a buffer on torch.cuda.current_device().
-        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    # megatron's local DotProductAttention materialises the scores [b, heads/tp, s, s] and
+    # fp32 softmax copies (several GiB a layer at 7B widths, s=4096) and allocates them on
+    # torch.cuda.current_device() (so it cannot run on CPU): torch's SDPA instead, on CUDA
+    # its flash / memory-efficient / cuDNN kernels (no [s, s] tensor, as the memory plan
+    # assumes), on CPU its fused CPU kernel
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 
 
@@ -243,7 +247,10 @@ class CPURotaryEmbedding(RotaryEmbedding):
 
 
 class SDPACoreAttention(MegatronModule):
-    """Causal core attention on torch's scaled_dot_product_attention (CPU path).
+    """Causal core attention on torch's scaled_dot_product_attention: the core attention of
+    every run without Transformer Engine (CPU, and CUDA without TE). The math of megatron's
+    local DotProductAttention (softmax(q k^T * scale, causal) v, each k/v group serving
+    heads/groups query heads), tested equal in values and gradients.
 
     query [sq, b, heads/tp, d], key/value [sk, b, groups/tp, d] -> [sq, b, heads/tp * d].
     """
@@ -284,16 +291,22 @@ class SDPACoreAttention(MegatronModule):
             key = key.repeat_interleave(repeat, dim=2)
             value = value.repeat_interleave(repeat, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
-        context = torch.nn.functional.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
+        dropout = self.dropout if self.training else 0.0
+        # dropout of this rank's heads draws from the tensor-parallel generator (as megatron's
+        # own attention does); megatron's tracker exists on CUDA only
+        fork = _tensor_parallel_rng if dropout and query.is_cuda else contextlib.nullcontext
+        with fork():
+            context = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout
+            )
         sq, b = query.shape[0], query.shape[1]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads_per_partition * self.head_dim)
+
+
+def _tensor_parallel_rng():
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.get_cuda_rng_tracker().fork()
 
 
 def _tp_world_size() -> int:

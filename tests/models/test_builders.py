@@ -7,8 +7,7 @@ model-parallel-rng is not added" unless `model_parallel_cuda_manual_seed` ran fi
 trainer seeded it; del-eval's checkpoint backend (and bench/loss_fused.py's output layer)
 built unseeded and failed on any GPU. `gpu_init` runs that path here: the device module's
 overrides with `use_cpu_initialization=False`, and the few CUDA calls megatron makes on it
-answered by the CPU (device "cpu", the CPU generator's state as the "CUDA" RNG state, so
-the tracker's fork really switches the generator the init draws from).
+answered by the CPU (`cuda_on_cpu`, tests/models/conftest.py).
 
 `test_checkpoint_backend_builds_without_random_init` failed on the old code with
 "Exception: cuda rng state model-parallel-rng is not added" (backends.py -> build_llama ->
@@ -31,25 +30,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def gpu_init(monkeypatch):
-    from megatron.core.tensor_parallel import random as megatron_random
-
+def gpu_init(monkeypatch, cuda_on_cpu):
+    """The device module's overrides with the GPU's `use_cpu_initialization=False`."""
     from del_megatron.evaluation.backends import _single_process_groups
     from del_megatron.models import device, llama
 
     _single_process_groups()
     gpu_style = {**device.transformer_config_overrides(CPU), "use_cpu_initialization": False}
     monkeypatch.setattr(llama, "transformer_config_overrides", lambda _device: gpu_style)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    monkeypatch.setattr(torch.cuda, "manual_seed", torch.manual_seed)
-    for module in (torch.cuda, torch.cuda.random):
-        monkeypatch.setattr(module, "get_rng_state", lambda device="cuda": torch.get_rng_state())
-    monkeypatch.setattr(
-        megatron_random, "_set_cuda_rng_state", lambda state, *_, **__: torch.set_rng_state(state)
-    )
-    megatron_random.get_cuda_rng_tracker().reset()  # as a fresh process has it
-    yield
-    megatron_random.get_cuda_rng_tracker().reset()
 
 
 @pytest.fixture
