@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:  # the config and the plan first: they help also when a check fails
             print(dump_run_config(cfg), end="")
             print("\n".join(f"# plan: {line}" for line in plan_lines), flush=True)
+            from ..models.device import planned_fusions
+
+            print("\n".join(f"# fusions: {line}" for line in planned_fusions(cfg.train.device)))
             device_here = cfg.train.device == "cpu" or _cuda_available()
             if not device_here:
                 device = cfg.train.device

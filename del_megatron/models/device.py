@@ -10,9 +10,11 @@ the CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
-from ..errors import UserError
+from ..errors import UserError, one_line
 
 FUSION_FLAGS = (
     "bias_activation_fusion",
@@ -186,24 +188,122 @@ def model_dtype(device: torch.device) -> torch.dtype:
 
 def transformer_config_overrides(device: torch.device) -> dict[str, Any]:
     """TransformerConfig fields that depend on the device."""
-    if device.type == "cpu":
-        return {
-            "use_cpu_initialization": True,
-            "params_dtype": model_dtype(device),
-            "bf16": False,
-            **dict.fromkeys(FUSION_FLAGS, False),
-        }
+    cpu = device.type == "cpu"
     return {
-        "use_cpu_initialization": False,
+        "use_cpu_initialization": cpu,
         "params_dtype": model_dtype(device),
-        "bf16": True,
-        "bias_activation_fusion": True,
-        "bias_dropout_fusion": True,
-        # megatron's fused softmax kernels come with Transformer Engine / Apex builds
-        "masked_softmax_fusion": transformer_engine_available(),
-        "apply_rope_fusion": transformer_engine_available(),
-        "gradient_accumulation_fusion": False,
+        "bf16": not cpu,
+        **device_fusions(device).flags,
     }
+
+
+def device_fusions(device: torch.device) -> Fusions:
+    """The fusion flags of a model built on `device`, with their reasons (probed on CUDA)."""
+    if device.type != "cuda":
+        return choose_fusions(device.type, transformer_engine=False, compile_error=None)
+    return choose_fusions(
+        device.type,
+        transformer_engine=transformer_engine_available(),
+        compile_error=compile_probe(device.type),
+    )
+
+
+def planned_fusions(requested: str) -> list[str]:
+    """--dry-run's account of the fusion flags of train.device=`requested`: chosen here when
+    the device is here (CPU, or a CUDA device this process sees: the probe runs), else said
+    to be chosen on each GPU node at start."""
+    if requested != "cpu" and not torch.cuda.is_available():
+        return [
+            "chosen on each GPU node at start: "
+            + " and ".join(COMPILED_FUSIONS)
+            + " where torch.compile runs a tiny fused call, apply_rope_fusion and "
+            "masked_softmax_fusion where Transformer Engine is installed"
+        ]
+    return device_fusions(resolve_device(requested)).lines()
+
+
+# megatron-core 0.16's fusions of these two go through megatron.core.jit.jit_fuser, which is
+# torch.compile: Inductor and Triton at the first step of every process, which need a C
+# compiler and Python's headers on every node
+COMPILED_FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion")
+
+
+@dataclass(frozen=True)
+class Fusions:
+    flags: dict[str, bool]  # every name of FUSION_FLAGS
+    reasons: dict[str, str]  # why each is on or off
+
+    def lines(self) -> list[str]:
+        return [f"{n} {'on' if self.flags[n] else 'off'}: {self.reasons[n]}" for n in FUSION_FLAGS]
+
+
+def choose_fusions(
+    device_type: str, *, transformer_engine: bool, compile_error: str | None
+) -> Fusions:
+    """megatron's fusion flags on `device_type`, each with its reason.
+
+    transformer_engine: TE is installed (its fused RoPE; its attention, whose softmax is
+    fused). compile_error: None when megatron's compiled fusions ran here (`compile_probe`),
+    else why they did not (one line).
+    """
+    if device_type != "cuda":
+        reason = f"{device_type}: megatron's fusions are CUDA kernels or compiled for CUDA"
+        return Fusions(dict.fromkeys(FUSION_FLAGS, False), dict.fromkeys(FUSION_FLAGS, reason))
+    if compile_error is None:
+        compiled = (True, "torch.compile (megatron's jit_fuser) ran a tiny fused call here")
+    else:
+        compiled = (False, f"torch.compile fails here ({compile_error}); unfused PyTorch ops")
+    te = transformer_engine
+    chosen = {
+        **dict.fromkeys(COMPILED_FUSIONS, compiled),
+        "apply_rope_fusion": (te, "Transformer Engine's fused RoPE" if te else "needs TE"),
+        "masked_softmax_fusion": (
+            te,
+            "Transformer Engine's attention" if te else "torch SDPA fuses its own softmax",
+        ),
+        "persist_layer_norm": (False, "an Apex kernel; RMSNorm is torch's or TE's"),
+        "gradient_accumulation_fusion": (
+            False,
+            "writes megatron's main_grad, which DeepSpeed does not use",
+        ),
+    }
+    return Fusions({n: chosen[n][0] for n in FUSION_FLAGS}, {n: chosen[n][1] for n in FUSION_FLAGS})
+
+
+@functools.cache
+def compile_probe(device_type: str) -> str | None:
+    """None when megatron's compiled fusions (SwiGLU, bias-dropout-add) run forward and
+    backward on a tiny bf16 input on this device, else why not (one line). Once a process;
+    in a distributed run the answer is agreed by every rank (one that fails turns them off
+    everywhere: the ranks of a tensor-parallel group must compute their replicated
+    activations alike)."""
+    from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    error = None
+    try:
+        x = torch.randn(4, 1, 16, device=device_type, dtype=torch.bfloat16, requires_grad=True)
+        y = bias_swiglu_impl(x, None)
+        out = bias_dropout_add_fused_train((y, None), torch.zeros_like(y), 0.0)
+        out.float().sum().backward()
+        synchronize(x.device)
+    except Exception as err:  # whatever the compiler raises: the flags go off
+        error = one_line(f"{type(err).__name__}: {err}")[:200]
+    return _agreed_failure(error, device_type)
+
+
+def _agreed_failure(error: str | None, device_type: str) -> str | None:
+    import torch.distributed as dist
+
+    from .. import collectives
+
+    if not dist.is_initialized():
+        return error
+    failed = torch.tensor(float(error is not None), device=device_type)
+    collectives.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() and error is None:
+        return "it failed on another rank"
+    return error
 
 
 def gpt_layer_spec(device: torch.device, *, qk_layernorm: bool = False):
