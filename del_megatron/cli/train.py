@@ -94,12 +94,13 @@ def _cuda_available() -> bool:
 
 
 def _node_leader() -> bool:
-    # LOCAL_RANK names the device once bound (models/device.bind_local_device): the
-    # launcher's own value is kept beside it
-    from ..models.device import LAUNCHER_LOCAL_RANK
-
-    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-    return os.environ.get(LAUNCHER_LOCAL_RANK, local) == "0"
+    """The first rank of its node: torchrun's LOCAL_RANK (it sets LOCAL_WORLD_SIZE too), else
+    SLURM's task id on the node (under srun, LOCAL_RANK names the rank's device once it is
+    bound: models/device.bind_local_device)."""
+    env = os.environ
+    if "LOCAL_WORLD_SIZE" in env or "SLURM_LOCALID" not in env:
+        return env.get("LOCAL_RANK", "0") == "0"
+    return env["SLURM_LOCALID"] == "0"
 
 
 # Set by our launchers (launch/torchrun.sh): a directory where a rank that stops on a user's

@@ -81,11 +81,6 @@ def process_group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-# Where the launcher's node-local rank is kept once LOCAL_RANK holds the device index
-# (`bind_local_device`): the rank that prints once a node reads it.
-LAUNCHER_LOCAL_RANK = "DEL_LAUNCHER_LOCAL_RANK"
-
-
 def local_device_index(env: Mapping[str, str], device_count: int) -> int:
     """The CUDA device (an index among those this process sees) of this rank.
 
@@ -115,12 +110,11 @@ def local_device_index(env: Mapping[str, str], device_count: int) -> int:
 def bind_local_device(device: torch.device, env: MutableMapping[str, str]) -> None:
     """Each rank of a node on its own GPU (`local_device_index`), before the process group
     exists. DeepSpeed binds `cuda:LOCAL_RANK` itself (deepspeed/comm/torch.py device_id,
-    engine `_set_distributed_vars`, ZeRO 3's `Init`): LOCAL_RANK is set to the same index,
-    the launcher's value kept under LAUNCHER_LOCAL_RANK."""
+    engine `_set_distributed_vars`, ZeRO 3's `Init`): LOCAL_RANK is set to the same index
+    (it differs from the launcher's only under srun, whose SLURM_LOCALID stays)."""
     if device.type != "cuda":
         return
     index = local_device_index(env, torch.cuda.device_count())
-    env.setdefault(LAUNCHER_LOCAL_RANK, env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
     env["LOCAL_RANK"] = str(index)
     torch.cuda.set_device(index)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from del_megatron.errors import UserError
-from del_megatron.models.device import LAUNCHER_LOCAL_RANK, local_device_index
+from del_megatron.models.device import local_device_index
 
 SLURM_TASK = {"SLURM_PROCID": "11", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3"}
 
@@ -69,14 +69,16 @@ def test_deepspeed_binds_the_device_the_rank_is_on(monkeypatch, visible):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # the group itself: not here
     monkeypatch.setattr(dist, "get_rank", lambda: 11)
     monkeypatch.setattr(dist, "get_world_size", lambda: 16)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", LAUNCHER_LOCAL_RANK):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in {**SLURM_TASK, "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
     parallel.init_distributed(torch.device("cuda"))
     deepspeed_device = int(os.environ["LOCAL_RANK"])  # deepspeed/comm/utils.py reads this
     assert bound == [deepspeed_device] == [0 if visible == 1 else 3]
-    # the rank that prints once a node is still found by the launcher's local rank
+    # the rank that prints once a node is still found by SLURM's local id
     from del_megatron.cli.train import _node_leader
 
     assert not _node_leader()
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    assert _node_leader()
