@@ -82,13 +82,12 @@ def setup(args):
     from megatron.core import parallel_state
 
     from del_megatron import DigitVocab
-    from del_megatron.models.device import select_accelerator
+    from del_megatron.models.device import bind_local_device, select_accelerator
 
     device = torch.device(args.device)
     select_accelerator(device)
+    bind_local_device(device, os.environ)  # the project's one binding rule
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     layer = output_layer(args.vocab, args.hidden, args.tokens, device, dtype)
