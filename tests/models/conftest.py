@@ -32,3 +32,21 @@ def cuda_on_cpu(monkeypatch):
     megatron_random.get_cuda_rng_tracker().reset()
     yield
     megatron_random.get_cuda_rng_tracker().reset()
+
+
+@pytest.fixture
+def one_process_groups():
+    """A one-process gloo group and megatron's parallel state at TP 1 (as del-eval makes
+    them), taken down afterwards if this fixture made them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from del_megatron.evaluation.backends import _single_process_groups
+
+    started = not dist.is_initialized(), not parallel_state.model_parallel_is_initialized()
+    _single_process_groups()
+    yield
+    if started[1]:
+        parallel_state.destroy_model_parallel()
+    if started[0]:
+        dist.destroy_process_group()

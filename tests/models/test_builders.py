@@ -30,12 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def gpu_init(monkeypatch, cuda_on_cpu):
+def gpu_init(monkeypatch, cuda_on_cpu, one_process_groups):
     """The device module's overrides with the GPU's `use_cpu_initialization=False`."""
-    from del_megatron.evaluation.backends import _single_process_groups
     from del_megatron.models import device, llama
 
-    _single_process_groups()
     gpu_style = {**device.transformer_config_overrides(CPU), "use_cpu_initialization": False}
     monkeypatch.setattr(llama, "transformer_config_overrides", lambda _device: gpu_style)
 

@@ -37,11 +37,9 @@ def attention_pair(heads, groups, tp, head_dim, dtype):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from del_megatron.evaluation.backends import _single_process_groups
     from del_megatron.models.device import SDPACoreAttention, seed_rngs
     from del_megatron.models.llama import transformer_config
 
-    _single_process_groups()  # megatron's global memory buffer
     seed_rngs(0, cuda_tracker=True)  # megatron's attention forks the tracker around dropout
     arch = LlamaArchitecture(
         vocab_size=64,
@@ -76,7 +74,9 @@ def forward_backward(module, q, k, v, upstream):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "groups", "tp", "s", "b", "d"), CASES)
-def test_sdpa_equals_megatron_local_attention(cuda_on_cpu, heads, groups, tp, s, b, d, dtype):
+def test_sdpa_equals_megatron_local_attention(
+    cuda_on_cpu, one_process_groups, heads, groups, tp, s, b, d, dtype
+):
     megatron, sdpa = attention_pair(heads, groups, tp, d, dtype)
     gen = torch.Generator().manual_seed(heads * 100 + s)
     q = torch.randn(s, b, heads // tp, d, generator=gen).to(dtype)
