@@ -56,6 +56,11 @@ class OptimConfig(_Section):
     eps: float = Field(default=1e-8, gt=0)
     clip_grad: float = Field(default=1.0, ge=0)
     """Global gradient-norm clip (0: off)."""
+    schedule_on_resume: Literal["continue", "restart"] = "continue"
+    """When a resumed run asks for another train.steps or optim.min_lr: `continue` goes on
+    from the learning rate it had at the checkpoint, cosine to optim.min_lr at the new last
+    step (no jump); `restart` follows the new settings' schedule as if the run had always
+    had them (the rate jumps; also allows another optim.lr or optim.warmup_fraction)."""
 
 
 class TrainConfig(_Section):

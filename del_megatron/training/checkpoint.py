@@ -85,6 +85,8 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
             "versions": _versions(),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if run.schedule is not None:
+            run.schedule.save(tmp)  # a resume follows the same function (training/schedule.py)
     collectives.barrier()
     if run.is_main:
         if final.exists():
@@ -197,11 +199,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def resolve(resume: str, output_dir: str) -> Path | None:
-    """'none' -> None; 'auto' -> the newest complete checkpoint (None if there is none);
-    anything else is a checkpoint directory that must exist."""
+    """'none' -> None; 'auto' and 'same' -> the newest complete checkpoint (None if there is
+    none); anything else is a checkpoint directory that must exist."""
     if resume == "none":
         return None
-    if resume == "auto":
+    if resume in ("auto", "same"):  # same: auto, for the same config (resume_changes.py)
         found = complete_checkpoints(root_of(output_dir))
         return found[-1] if found else None
     path = Path(resume)
