@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 import typing
 from pathlib import Path
@@ -248,7 +249,9 @@ class RunConfig(_Section):
         if world_size % tp:
             raise ConfigError(
                 f"world size {world_size} is not a multiple of parallel.tensor_parallel={tp} "
-                "(world size = tensor parallel x data parallel)"
+                f"(world size = tensor parallel x data parallel): start {tp} processes (bash "
+                f"launch/torchrun.sh --nproc-per-node {tp}, also with --dry-run) or set "
+                f"parallel.tensor_parallel={math.gcd(world_size, tp)}"
             )
         return world_size // tp
 
