@@ -6,6 +6,8 @@ fake_checkpoint plus its run_config.yaml), no training."""
 from __future__ import annotations
 
 import itertools
+import json
+import math
 
 import pytest
 
@@ -120,3 +122,35 @@ def test_a_continued_schedule_has_no_jump_and_ends_at_the_floor(tmp_path):
         assert max(jumps) < 0.01  # the old schedule, restarted, jumps by 0.5 at step 150
         new.save(tmp_path)  # what a checkpoint holds gives the same function back
         assert saved_schedule(tmp_path) == new
+
+
+@pytest.mark.slow
+def test_train_further_through_the_real_run(synth_tokenizer, synth_shards, tmp_path):
+    """Issue 27, case 3 (on main the rate jumped at the first step after the resume, from
+    the floor 0.0001 to 0.00038 here): continued by default and said at the start; the old
+    behaviour with optim.schedule_on_resume=restart; a continued run resumed unchanged
+    follows the schedule it was saved with, bit for bit (one process, 4 short runs)."""
+    from ..distributed.launcher import run_torchrun
+
+    output = run_torchrun(
+        "schedule_resume.py", 1, str(synth_tokenizer), str(synth_shards), str(tmp_path)
+    )
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines)}
+
+    first, continued, restarted, again = (
+        rows(n) for n in ("first", "continued", "restarted", "again")
+    )
+    assert first[4]["lr"] == pytest.approx(1e-4)  # the end of a 4-step cosine
+    assert [continued[s]["lr"] for s in range(5, 9)] == pytest.approx([1e-4] * 4)
+    assert restarted[5]["lr"] == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * 5 / 8)))
+    assert (
+        "del-train: resume: schedule: the learning rate continues from 0.0001 (step 4), "
+        "cosine to optim.min_lr=0.0001 at step 8" in output
+    )
+    assert "del-train: resume: optim.schedule_on_resume=restart: the schedule of" in output
+    for step in (7, 8):  # from the continued run's step 6: its schedule and its losses
+        assert again[step]["lr"] == continued[step]["lr"]
+        assert again[step]["loss"] == continued[step]["loss"]
