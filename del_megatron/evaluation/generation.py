@@ -4,8 +4,9 @@ the final answer extracted and compared with Hugging Face's math-verify.
 Problems are jsonl records with `question` and `answer`; the gold answer is what follows
 `####` in `answer` (GSM8K), else what follows its last "The answer is", else the whole
 `answer` when it is one word (the synthetic corpus's held-out problems: "42"); any other
-answer is refused naming its line, rather than a whole worked solution taken as the gold. A completion's answer is what follows its last `####`, else
-the completion up to the first blank line; math-verify parses both (it reads "1,000", "$5",
+answer is refused naming its line, rather than a whole worked solution taken as the gold.
+A completion's answer is what follows its last `####`, else the completion up to the first
+blank line; math-verify parses both (it reads "1,000", "$5",
 "5.00", fractions, LaTeX) and decides equality.
 """
 
