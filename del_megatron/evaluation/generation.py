@@ -18,11 +18,12 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 STOPS = ("\n\n", "\nQuestion:")
@@ -158,6 +159,7 @@ def generate_transformers(
     model, tokenizer, prompts: list[str], *, max_new_tokens: int, batch_size: int, progress: bool
 ) -> list[str]:
     """Greedy continuations, batched with left padding (the pad positions masked)."""
+    import torch
     from tqdm import tqdm
 
     device = next(model.parameters()).device
