@@ -112,6 +112,8 @@ def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
     )
     initialize_weights(cfg, model)
     model.freeze_emo_cost_embedding()  # from the weights the run starts from
+    params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tensor_parallel
+    progress.model_built(params)
 
     import deepspeed
 
@@ -127,7 +129,6 @@ def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
         mpu=MegatronMPU(),
         lr_scheduler=scheduler,
     )
-    params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tensor_parallel
     arch = cfg.model
     flops = 6 * params + 12 * arch.num_layers * arch.hidden_size * cfg.train.seq_len
     return Run(
