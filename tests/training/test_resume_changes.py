@@ -154,3 +154,17 @@ def test_train_further_through_the_real_run(synth_tokenizer, synth_shards, tmp_p
     for step in (7, 8):  # from the continued run's step 6: its schedule and its losses
         assert again[step]["lr"] == continued[step]["lr"]
         assert again[step]["loss"] == continued[step]["loss"]
+
+
+def test_the_docs_name_every_row():
+    """docs/checkpoints.md's table of every config field stays the code's."""
+    from ..distributed.launcher import ROOT
+
+    doc = (ROOT / "docs" / "checkpoints.md").read_text()
+    section = doc.split("### Every field of the run config", 1)[1].split("### ", 1)[0]
+    named = {
+        f"model.{n}"
+        for n in section.split("`model.*` (", 1)[1].split(")", 1)[0].replace("`", "").split(", ")
+    }
+    missing = [p for p in TABLE if f"`{p}`" not in section and p not in named]
+    assert missing == []
