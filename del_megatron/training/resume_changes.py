@@ -203,8 +203,8 @@ class Review:
 
     lines: list[str] = field(default_factory=list)
     schedule: Schedule | None = None
-    schedule_changed: bool = False  # the rate at the checkpoint's position must be made again
-    peak_changed: bool = False  # optim.lr differs from the saved peak
+    schedule_changed: bool = False  # restart: the rate at the checkpoint's position changes
+    peak_changed: bool = False  # restart: optim.lr differs from the saved peak
 
 
 def changed_fields(saved: dict[str, Any], cfg: RunConfig) -> list[tuple[str, Any, Any]]:
@@ -281,8 +281,9 @@ def review(checkpoint: Path, cfg: RunConfig, mode: str, *, tokenizer: str | None
         said = f"{path} {_shown(old)} -> {_shown(new)}"
         if rule.effect is Effect.REFUSED:
             raise ConfigError(
-                f"{said} cannot change on resume ({rule.how}); resume with {path}="
-                f"{_shown(old)}, or {_new_run(checkpoint)}"
+                f"{checkpoint}: saved with {path}={_shown(old)}, this run has {_shown(new)}: "
+                f"cannot change on resume ({rule.how}); resume with {path}={_shown(old)}, or "
+                f"{_new_run(checkpoint)}"
             )
         if rule.effect is Effect.RESTART_ONLY and not restart:
             raise ConfigError(
@@ -343,9 +344,9 @@ def _schedule(
         )
         return
     jump = plain.factor(step) * cfg.optim.lr
-    result.schedule_changed = True
-    result.peak_changed = peak_changed
     if restart:
+        result.schedule_changed = True
+        result.peak_changed = peak_changed
         result.schedule = plain
         result.lines.append(
             f"resume: optim.schedule_on_resume=restart: the schedule of train.steps={last}, "
