@@ -348,7 +348,7 @@ def _load_deepspeed(run: Any, path: Path) -> None:
     except Exception as err:  # DeepSpeed raises whatever its torch.load or asserts raise
         raise CheckpointError(
             f"{path}: cannot load the model/optimizer state "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+            f"({type(err).__name__}: {one_line(str(err))[:300]})"
         ) from None
     if loaded is None:
         raise CheckpointError(f"{path}: no DeepSpeed state under tag '{DEEPSPEED_TAG}'")

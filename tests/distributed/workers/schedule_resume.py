@@ -14,22 +14,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_path import config as gpu_path_config
+
 from del_megatron.config import parse_run_config
 
 
 def config(tokenizer: str, manifest: str, out: Path, steps: int, schedule: str = "continue"):
+    tiny = gpu_path_config(tokenizer, manifest, "del", str(out), steps).model  # its tiny model
     return parse_run_config(
         {
-            "model": {
-                "vocab_size": 800,
-                "hidden_size": 64,
-                "ffn_hidden_size": 160,
-                "num_layers": 2,
-                "num_attention_heads": 4,
-                "num_query_groups": 2,
-                "max_position_embeddings": 64,
-                "make_vocab_size_divisible_by": 16,
-            },
+            "model": tiny.model_dump(mode="json"),
             "parallel": {"tensor_parallel": 1, "zero_stage": 1},
             "optim": {"lr": 1e-3, "min_lr": 1e-4, "schedule_on_resume": schedule},
             "train": {
