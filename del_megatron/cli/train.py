@@ -152,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--resume",
         default="none",
-        help="'auto' (the newest complete checkpoint in output_dir, if any), a checkpoint "
-        "directory, or 'none' (the default)",
+        help="'auto' (the newest complete checkpoint in output_dir, if any, with the changes "
+        "docs/checkpoints.md allows), 'same' (as auto, for a run of the same config only: "
+        "the launchers' default), a checkpoint directory, or 'none' (the default)",
     )
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
@@ -188,15 +189,18 @@ def main(argv: list[str] | None = None) -> int:
                 device = cfg.train.device
                 print(f"# note: no CUDA device here; train.device={device} is checked at launch")
             layout = preflight(cfg, world, device_here=device_here, resume=args.resume)
+            changes = layout.pop("resume_changes")
             print("# layout: " + json.dumps(layout))
+            print("".join(f"# {line}\n" for line in changes), end="", flush=True)
             return 0
         if args.check:
             layout = preflight(cfg, world, resume=args.resume)
-            start = layout["resume_step"]
+            start, changes = layout["resume_step"], len(layout["resume_changes"])
             print(
                 f"del-train: checks passed: {world} rank(s), tensor parallel "
                 f"{layout['tensor_parallel']} x data parallel {layout['data_parallel']}, "
-                + (f"resuming at step {start}" if start is not None else "starting at step 0"),
+                + (f"resuming at step {start}" if start is not None else "starting at step 0")
+                + (f" ({changes} change(s), said at the start)" if changes else ""),
                 flush=True,
             )
             return 0

@@ -22,7 +22,26 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
+<<<<<<< HEAD
 from ..errors import UserError, one_line
+=======
+
+def _quiet_cpu_only_notices() -> None:
+    """megatron-core's tensor-parallel layers recommend CUDA_DEVICE_MAX_CONNECTIONS=1 on every
+    forward, also on CPU (gloo), where there is no CUDA stream it could apply to. On a GPU the
+    advice stands (del-train sets the variable itself), so it is silenced only without one.
+    Here, where every model is built, rather than on `import del_megatron` (which must not
+    wait for torch)."""
+    import warnings
+
+    if not torch.cuda.is_available():
+        warnings.filterwarnings(
+            "ignore", message="When using async grad allreduce", category=UserWarning
+        )
+
+
+_quiet_cpu_only_notices()
+>>>>>>> resume
 
 FUSION_FLAGS = (
     "bias_activation_fusion",

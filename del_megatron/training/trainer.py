@@ -28,7 +28,7 @@ from ..models.device import (
 from . import progress
 from .initial_weights import initialize_weights, open_initial_weights
 from .metrics import PairSum, Reporter, StepMetrics, means
-from .schedule import lr_factor
+from .schedule import Schedule, reapply, rebase
 from .signals import StopRequest, agree
 
 BatchSource = Callable[[int, int], dict[str, torch.Tensor]]  # (step, micro) -> batch
@@ -61,6 +61,7 @@ class Run:
     engine: Any
     scheduler: Any
     tokenizer: Any
+    schedule: Schedule | None = None  # what the scheduler follows; saved with each checkpoint
     flops_per_token: float = 0.0
     peak_flops: float | None = None  # per device, for MFU (None: unknown device)
     nonfinite_in_a_row: int = 0
@@ -77,7 +78,9 @@ class Run:
         return self.rank == 0
 
 
-def setup(cfg: RunConfig) -> Run:
+def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
+    """schedule: the learning-rate schedule (default: the config's; a resume passes the one
+    `resume_changes.review` gives)."""
     device = resolve_device(cfg.train.device)
     select_accelerator(device)
     from megatron.core import parallel_state
@@ -96,16 +99,15 @@ def setup(cfg: RunConfig) -> Run:
             f"tokenizer's {tokenizer.vocab_size} tokens"
         )
     model = build_model(cfg, device, tokenizer)
+    params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tensor_parallel
+    progress.model_built(params)
 
     import deepspeed
 
-    steps, warmup = cfg.train.steps, int(cfg.optim.warmup_fraction * cfg.train.steps)
-    min_ratio = cfg.optim.min_lr / cfg.optim.lr
+    schedule = schedule or Schedule.of_config(cfg)
 
     def scheduler(optimizer):
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_factor(s, total=steps, warmup=warmup, min_ratio=min_ratio)
-        )
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
 
     engine, _, _, lr_scheduler = deepspeed.initialize(
         model=model,
@@ -114,7 +116,6 @@ def setup(cfg: RunConfig) -> Run:
         mpu=MegatronMPU(),
         lr_scheduler=scheduler,
     )
-    params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tensor_parallel
     arch = cfg.model
     flops = 6 * params + 12 * arch.num_layers * arch.hidden_size * cfg.train.seq_len
     return Run(
@@ -128,6 +129,7 @@ def setup(cfg: RunConfig) -> Run:
         engine=engine,
         scheduler=lr_scheduler,
         tokenizer=tokenizer,
+        schedule=schedule,
         flops_per_token=float(flops),
         peak_flops=peak_flops(device),
     )
@@ -326,10 +328,14 @@ def train(
     A stop signal (SIGTERM, SIGUSR1) on any rank: every rank saves the checkpoint of the step
     just finished and returns with `stopped` set (no final save, no evaluation after).
     """
-    from . import checkpoint
+    from . import checkpoint, resume_changes
 
     with StopRequest() as stop:  # first: a signal during set-up is a stop, not a kill
-        run = setup(cfg)
+        path = checkpoint.resolve(resume, cfg.output_dir)
+        changes = resume_changes.review(path, cfg, resume) if path is not None else None
+        for line in changes.lines if changes else []:
+            progress.say(line)
+        run = setup(cfg, changes.schedule if changes else None)
         loader = None
         if batches is None:
             loader = StreamingLoader(
@@ -341,12 +347,15 @@ def train(
             )
         result = TrainResult()
         start = 0
-        path = checkpoint.resolve(resume, cfg.output_dir)
         if run.is_main:
             checkpoint.remove_partial(cfg.output_dir)
         if path is not None:
             progress.say(f"loading {path}")
             start = checkpoint.load(run, path, loader)
+            if changes.peak_changed:  # the saved state holds the old peak and its rate
+                rebase(run.scheduler, cfg.optim.lr)
+            elif changes.schedule_changed:  # ... the old schedule's rate at this position
+                reapply(run.scheduler)
             if run.is_main:
                 print(f"resumed from {path} at step {start}", flush=True)
         source = iter(loader) if loader is not None else batches
