@@ -76,7 +76,7 @@ class Mode:
 # and these differences grow over the steps; a GPU run is not bit-reproducible (atomic adds
 # in backward), so a resumed run drifts by a few bf16 ulps a step (0.02 in a weight is about
 # 7 Adam steps at lr 3e-3). Benchmark bounds are the goals of docs/benchmarks.md.
-GPU = Mode("cuda", 20, 8, step1=1e-2, later=5e-2, resumed=2e-2, logits=5e-2, eval=2e-2,
+GPU = Mode("cuda", 20, 8, step1=1e-2, later=2e-2, resumed=2e-2, logits=5e-2, eval=2e-2,
            bounds={"hook_time": 1.05,  # hook / megatron's fused CE: time, goal
                    "hook_peak": 1.02,  # ... peak memory, logits handed over: goal +2%
                    "fused_time": 1.00,  # fused output layer + loss / megatron's: goal
@@ -141,30 +141,62 @@ class Check:
         its process group, SIGKILL 30 s later); its output goes to the log and is returned.
         stop_when: SIGUSR1 to it once this returns true (polled)."""
         log = self.work / "logs" / f"{self.name}.log"
-        with log.open("a") as f:
-            f.write(f"$ {shlex.join(cmd)}\n")
+        with log.open("ab") as f:
+            f.write(f"$ {shlex.join(cmd)}\n".encode())
             start = f.tell()
             f.flush()
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, stdout=f,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             signalled = False
-            while proc.poll() is None:
-                if time.monotonic() > self.deadline:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    try:
-                        proc.wait(30)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
-                    raise Failed(f"ran past its time limit in: {shlex.join(cmd)[:200]}")
-                if stop_when is not None and not signalled and stop_when():
-                    proc.send_signal(signal.SIGUSR1)
-                    signalled = True
-                time.sleep(0.1)
-        text = log.read_text(errors="replace")[start:]
+            try:
+                while proc.poll() is None:
+                    if time.monotonic() > self.deadline:
+                        raise Failed(f"ran past its time limit in: {shlex.join(cmd)[:200]}")
+                    if stop_when is not None and not signalled and stop_when():
+                        proc.send_signal(signal.SIGUSR1)
+                        signalled = True
+                    time.sleep(0.1)
+            finally:  # past the deadline, or this script interrupted: stop what it started
+                if proc.poll() is None:
+                    stop(proc)
+        text = log.read_bytes()[start:].decode(errors="replace")
         if proc.returncode not in ok:
             raise Failed(f"exit {proc.returncode} (expected {ok[0]}): {failure_line(text)}")
         return text
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the command's process group (launch/torchrun.sh then has every rank save and
+    exit), then SIGKILL 30 s later to it and to every process it started (torchrun's ranks
+    have process groups of their own), each known by its pid and start time."""
+    started = {pid: stat(pid) for pid in processes_under(proc.pid) if pid != proc.pid}
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    for pid, before in started.items():
+        if stat(pid)[1] == before[1]:  # the same process, not a later one with its pid
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def stat(pid: int) -> tuple[int | None, str | None]:
+    """(parent pid, start time) from /proc/PID/stat; (None, None) once it is gone."""
+    try:  # pid (name) state ppid ... starttime (the 22nd): split after the name's ')'
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None, None
+    return int(fields[1]), fields[19]
+
+
+def processes_under(root: int) -> list[int]:
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    found, todo = [], [root]
+    while todo:
+        found.append(todo.pop())
+        todo += [pid for pid in pids if stat(pid)[0] == found[-1]]
+    return found
 
 
 def failure_line(text: str) -> str:
@@ -196,10 +228,14 @@ def check_install(c: Check) -> str:
     have = visible([site, *sys.path])
     wanted = [("pyproject.toml", r) for r in carried_requirements(ROOT / "pyproject.toml")]
     wanted += [(n, r) for n in sorted(carried.keys() & have.keys()) for r in have[n].requires or []]
-    unmet = [f"{who} needs {r}" + (f", has {have[name].version}" if name in have else "")
-             for who, r in map(lambda w: (w[0], Requirement(w[1])), wanted)
-             if (r.marker is None or r.marker.evaluate({"extra": ""}))
-             and not met(r, have.get(name := canonical(r.name)))]
+    unmet = []
+    for who, text in wanted:
+        requirement = Requirement(text)
+        if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
+            continue  # another platform's, or an extra's
+        dist = have.get(canonical(requirement.name))
+        if not met(requirement, dist):
+            unmet.append(f"{who} needs {requirement}" + (f", has {dist.version}" if dist else ""))
     c.figures["installed"] = todo
     if unmet:
         raise Failed(f"Python {sys.version.split()[0]}: {'; '.join(unmet)[:300]} (wheels: "
@@ -338,7 +374,10 @@ def check_stop_resume(c: Check, tp: int) -> str:
     command = tiny(c, run.name, tp)
 
     def reached() -> bool:
-        return max(metrics(run), default=0) >= c.mode.stop_at if run.is_dir() else False
+        try:
+            return max(metrics(run), default=0) >= c.mode.stop_at
+        except (OSError, ValueError):  # not written yet, or a line half written
+            return False
 
     c.run(*command, ok=(75,), stop_when=reached)  # launch/torchrun.sh: 75, stopped
     stopped_at = max(int(p.name[5:]) for p in (run / "checkpoints").glob("step-*"))
@@ -459,12 +498,15 @@ def check_bench_train_step(c: Check) -> None:
         c.within("mfu_del", rows["del"][4], c.mode.bounds["mfu"], 1)
 
 
-# name, function, estimate on one H200 (s), time limit (s); a TP 2 check needs 2 GPUs
+# name, function, estimate on one H200 (s), time limit (s); a TP 2 check needs 2 GPUs.
+# The estimates are not measured yet (no GPU lent so far): about 15 s of start-up a process
+# that imports megatron-core and DeepSpeed, plus the first step's Inductor compile (about a
+# minute) in the first training run; the first GPU run's seconds column replaces them.
 PLAN = [
     ("install", check_install, 10, 120),
-    ("env", check_env, 20, 120),
+    ("env", check_env, 15, 120),
     ("deepspeed-config", check_deepspeed_config, 5, 60),
-    ("data", check_data, 20, 180),
+    ("data", check_data, 15, 180),
     ("train-tp1", lambda c: check_train(c, 1, False), 90, 300),  # the first step compiles
     ("train-fused-tp1", lambda c: check_train(c, 1, True), 35, 180),
     ("one-rank-collectives", check_one_rank_collectives, 30, 180),
@@ -475,7 +517,7 @@ PLAN = [
     ("init-hf", check_init_hf, 50, 240),
     ("del-eval", check_del_eval, 40, 240),
     ("bench-hook-ce", check_bench_hook, 20, 120),
-    ("bench-fused", check_bench_fused, 45, 240),
+    ("bench-fused", check_bench_fused, 55, 240),  # five processes
     ("bench-train-step", check_bench_train_step, 50, 240),
 ]
 
@@ -513,7 +555,8 @@ def probe_env(device: str) -> dict:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         facts["gpu"] = torch.cuda.get_device_name(dev)
-        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        nccl = torch.cuda.nccl.version()  # an int before torch 2.1, a tuple since
+        facts["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         facts["deepspeed_accelerator"] = get_accelerator()._name
         q = torch.randn(1, 2, 64, 64, device=dev, dtype=torch.bfloat16)
         try:
@@ -603,9 +646,6 @@ def listed_gpus() -> int:
 
 
 def usable_gpus() -> int:
-    """The GPUs this interpreter's torch uses; one line and exit 1 when nvidia-smi lists GPUs
-    that it cannot use, or when there is none (nothing would be accepted)."""
-    listed = listed_gpus()
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__, "
                             "torch.cuda.device_count() if torch.cuda.is_available() else 0)"],
                            capture_output=True, text=True, timeout=300, check=False)
@@ -613,12 +653,19 @@ def usable_gpus() -> int:
         raise SystemExit(f"gpu_acceptance: {sys.executable} cannot import torch: "
                          f"{failure_line(probe.stderr)}")
     version, seen = probe.stdout.split()[-2:]
-    if listed and not int(seen):
-        raise SystemExit(f"gpu_acceptance: nvidia-smi lists {listed} GPU(s) but torch {version} "
-                         f"({sys.executable}) sees none: a CPU build, or a driver too old")
-    if not int(seen):
+    return gpus_to_use(listed_gpus(), int(seen), version)
+
+
+def gpus_to_use(listed: int, seen: int, torch_version: str) -> int:
+    """The GPUs torch sees; one line and exit 1 when nvidia-smi lists GPUs that it cannot
+    use, or when there is none (nothing would be accepted)."""
+    if listed and not seen:
+        raise SystemExit(f"gpu_acceptance: nvidia-smi lists {listed} GPU(s) but torch "
+                         f"{torch_version} ({sys.executable}) sees none: a CPU build, or a "
+                         "driver too old for its CUDA")
+    if not seen:
         raise SystemExit("gpu_acceptance: no GPU, nothing checked (--cpu-smoke runs the wiring)")
-    return int(seen)
+    return seen
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,6 +54,15 @@ def test_a_listed_gpu_that_torch_cannot_use_fails_in_one_line(tmp_path):
     assert not (tmp_path / "gpu_acceptance.json").exists()  # nothing ran, nothing passed
 
 
+def test_which_gpus_are_used():
+    assert acc.gpus_to_use(listed=8, seen=8, torch_version="2.13.0") == 8
+    assert acc.gpus_to_use(listed=0, seen=1, torch_version="2.13.0") == 1  # no nvidia-smi
+    with pytest.raises(SystemExit, match="lists 2 GPU.* but torch 2.13.0.*sees none"):
+        acc.gpus_to_use(listed=2, seen=0, torch_version="2.13.0")
+    with pytest.raises(SystemExit, match="no GPU, nothing checked"):  # nothing accepted: 1
+        acc.gpus_to_use(listed=0, seen=0, torch_version="2.13.0")
+
+
 def test_the_plan_fits_8_minutes_on_one_h200(tmp_path):
     one_gpu = acc.plan_for(1)
     assert sum(estimate for _, _, estimate, _ in one_gpu) <= acc.BUDGET_S == 480
@@ -259,12 +268,23 @@ def test_a_command_past_its_limit_is_stopped_and_fails(tmp_path):
     (tmp_path / "logs").mkdir()
     c = acc.Check("t", acc.CPU, tmp_path, dict(os.environ), time.monotonic() + 0.5)
     start = time.monotonic()
-    with pytest.raises(acc.Failed, match="ran past its time limit"):
-        c.run("bash", "-c", "sleep 30 & wait")
+    with pytest.raises(acc.Failed, match="ran past its time limit"):  # (as torchrun's ranks)
+        c.run("bash", "-c", f"setsid sleep 30 & echo $! > {tmp_path}/sleeper; wait")
     assert time.monotonic() - start < 10
+    sleeper = (tmp_path / "sleeper").read_text().strip()
+    for _ in range(50):  # killed: gone (or a zombie until init reaps it) within 5 s
+        try:
+            state = Path(f"/proc/{sleeper}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        if state in ("gone", "Z"):
+            break
+        time.sleep(0.1)
+    assert state in ("gone", "Z")  # its own session did not save it
     c.deadline = time.monotonic() + 30  # SIGUSR1 once asked for; 75 is what it expects
-    trap = "trap 'exit 75' USR1; sleep 30 & wait"
-    assert c.run("bash", "-c", f"echo hi; {trap}", ok=(75,), stop_when=lambda: True) == "hi\n"
+    script = f"trap 'kill $!; exit 75' USR1; echo hi; touch {tmp_path}/ready; sleep 30 & wait"
+    ready = (tmp_path / "ready").exists
+    assert c.run("bash", "-c", script, ok=(75,), stop_when=ready) == "hi\n"
     with pytest.raises(acc.Failed, match=r"exit 3 \(expected 0\): RuntimeError: bad"):
         c.run("bash", "-c", "echo 'RuntimeError: bad'; echo later; exit 3")
 
@@ -283,7 +303,8 @@ def test_rows_and_table(tmp_path):
                                                        3, 9), ("c", passes, 4, 9)]
     rows = acc.run_plan(plan, acc.CPU, tmp_path, {})
     assert [r["status"] for r in rows] == ["pass", "fail", "fail", "skipped"]
-    assert rows[1]["note"] == "KeyError: 'x'" and "Traceback" in (tmp_path / "logs/b.log").read_text()
+    assert rows[1]["note"] == "KeyError: 'x'"
+    assert "Traceback" in (tmp_path / "logs/b.log").read_text()
     assert rows[3]["note"] == "the install check failed"
     text = acc.table(rows)
     assert "fine; ratio=0.5" in text and text.endswith("1 passed, 2 failed, 1 skipped")
