@@ -5,7 +5,7 @@
 The checks run in the order of PLAN, each under its time limit; every figure a check reads
 has its bound beside it, so every row can fail. One GPU: TP 1; two or more: the TP 2 runs too.
 They run launch/torchrun.sh (del-train), del-train --deepspeed-json, del-convert, del-eval
-and bench/*.py; this file only builds a tiny random Qwen-2, reads two models' logits and
+and bench/*.py; this file only probes the environment, builds a tiny random Qwen-2 and
 judges what the commands wrote. Out: one table, and $OUT/gpu_acceptance.json with the logs
 in $OUT/logs (OUT defaults to the work directory). Exit 1 when a check failed, when
 nvidia-smi lists GPUs this interpreter's torch cannot use (a CPU wheel, a driver mismatch),
@@ -13,10 +13,11 @@ or when there is no GPU at all (nothing was accepted). --cpu-smoke runs the one-
 the CPU at tiny sizes in float32 (the wiring, not figures); --plan prints the checks with
 their estimates on one H200 (8 minutes in all, the first step's compile included).
 
-Packages: what pyproject.toml asks of megatron-core, DeepSpeed, pydantic and webdataset,
-where this interpreter lacks it, comes from .whl/ (bench/fetch_gpu_wheels.sh): pip resolves
-it offline against those wheels and the installed packages (each wheel's own dependencies
-included) and installs what is missing into $DEL_SITE (default /tmp/del-site).
+Packages: a wheel of .whl/ (bench/fetch_gpu_wheels.sh, wheels for Python 3.11-3.13) goes
+into $DEL_SITE (default /tmp/del-site-pyX.Y) where this interpreter lacks its distribution
+or has an older one; then every requirement of the carried distributions, and
+pyproject.toml's of megatron-core, DeepSpeed, pydantic and webdataset, must be met, or the
+install row fails naming them.
 """
 
 from __future__ import annotations
@@ -597,7 +598,8 @@ def tiny_qwen2(out: Path, tokenizer: Path) -> None:
 # ---- the run ------------------------------------------------------------------------------
 
 
-def run_plan(plan: list[tuple], mode: Mode, work: Path, env: dict) -> list[dict]:
+def run_plan(plan: list[tuple], mode: Mode, work: Path, env: dict, record=print) -> list[dict]:
+    """The checks in order; record(rows) after each (a run cut short keeps its rows)."""
     rows, blocked = [], None
     for i, (name, function, estimate, limit) in enumerate(plan, 1):
         print(f"[{i:2d}/{len(plan)}] {name:21s} ~{estimate:3d} s  ", end="", flush=True)
@@ -620,6 +622,7 @@ def run_plan(plan: list[tuple], mode: Mode, work: Path, env: dict) -> list[dict]
         print(f"{status} ({seconds} s)" + (f": {note}" if status != "pass" else ""))
         rows.append({"name": name, "status": status, "seconds": seconds,
                      "estimate_s": estimate, "note": note, "figures": c.figures})
+        record(rows)
     return rows
 
 
@@ -692,27 +695,30 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu-acceptance."))
     (work / "logs").mkdir()
     out = Path(os.environ.get("OUT") or work)
-    site = os.environ.get("DEL_SITE", "/tmp/del-site")
+    site = os.environ.get("DEL_SITE", "/tmp/del-site-py{}.{}".format(*sys.version_info[:2]))
     env = {**os.environ, "DEL_SITE": site, "DEL_PYTHON": sys.executable, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), site,
                                                         os.environ.get("PYTHONPATH")])),
            "PATH": f"{site}/bin{os.pathsep}{os.environ['PATH']}",
            "PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning"}
+    # SIGTERM (an outer timeout) as an exception: the running command is stopped with its ranks
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
-    rows = run_plan(plan, mode, work, env)
-    wall = round(time.monotonic() - started)
-    print(f"\n{table(rows)}\nwall {wall} s (estimate {estimate} s); work directory {work}")
     out.mkdir(parents=True, exist_ok=True)
-    document = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "gpus": gpus, "wall_s": wall,
-                "estimate_s": estimate, "failed": sum(r["status"] == "fail" for r in rows),
-                "checks": rows}
-    (out / "gpu_acceptance.json.tmp").write_text(json.dumps(document, indent=1) + "\n")
-    os.replace(out / "gpu_acceptance.json.tmp", out / "gpu_acceptance.json")
-    if out != work:
-        subprocess.run(["cp", "-r", str(work / "logs"), str(out)], check=False)
-    print(f"results: {out / 'gpu_acceptance.json'}")
-    return 1 if document["failed"] else 0
 
+    def record(rows: list[dict]) -> None:  # the JSON and the logs so far, replaced atomically
+        document = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "gpus": gpus,
+                    "wall_s": round(time.monotonic() - started), "estimate_s": estimate,
+                    "failed": sum(r["status"] == "fail" for r in rows), "checks": rows}
+        (out / "gpu_acceptance.json.tmp").write_text(json.dumps(document, indent=1) + "\n")
+        os.replace(out / "gpu_acceptance.json.tmp", out / "gpu_acceptance.json")
+        if out != work:
+            subprocess.run(["cp", "-r", str(work / "logs"), str(out)], check=False)
+
+    rows = run_plan(plan, mode, work, env, record)
+    print(f"\n{table(rows)}\nwall {round(time.monotonic() - started)} s (estimate {estimate} "
+          f"s); work directory {work}; results: {out / 'gpu_acceptance.json'}")
+    return 1 if any(r["status"] == "fail" for r in rows) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

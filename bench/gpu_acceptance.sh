@@ -7,7 +7,7 @@
 # The checks, their bounds and the output are bench/gpu_acceptance.py's (see its docstring);
 # this script only picks the interpreter: DEL_PYTHON, else .venv/bin/python, else python3.
 # Environment: OUT (results: gpu_acceptance.json and logs/), DEL_SITE (where the wheels of
-# .whl/ go when the interpreter lacks a package; default /tmp/del-site).
+# .whl/ go when the interpreter lacks a package; default /tmp/del-site-pyX.Y).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -n "${DEL_PYTHON:-}" ]; then

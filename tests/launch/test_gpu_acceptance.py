@@ -301,7 +301,9 @@ def test_rows_and_table(tmp_path):
 
     plan = [("a", passes, 1, 9), ("b", bug, 2, 9), ("install", lambda c: c.within("n", 2, hi=1),
                                                        3, 9), ("c", passes, 4, 9)]
-    rows = acc.run_plan(plan, acc.CPU, tmp_path, {})
+    recorded = []  # after each check: a run cut short keeps the rows it has
+    rows = acc.run_plan(plan, acc.CPU, tmp_path, {}, lambda rows: recorded.append(len(rows)))
+    assert recorded == [1, 2, 3, 4]
     assert [r["status"] for r in rows] == ["pass", "fail", "fail", "skipped"]
     assert rows[1]["note"] == "KeyError: 'x'"
     assert "Traceback" in (tmp_path / "logs/b.log").read_text()
