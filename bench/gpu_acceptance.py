@@ -69,7 +69,7 @@ class Mode:
     logits: float  # del-convert export (transformers) vs checkpoint: x max(1, max |logit|)
     eval: float  # del-eval of a checkpoint and of its export: loss, digit entropy
     bounds: dict  # the benchmarks' bounds
-    benches: dict  # the benchmarks' command lines
+    benches: dict  # the benchmarks' command lines (after the interpreter)
     slowdown: int  # time limits x this
 
 
@@ -86,13 +86,12 @@ GPU = Mode("cuda", 20, 8, step1=1e-2, later=2e-2, resumed=2e-2, logits=5e-2, eva
                    "chunk_peak": 0.50,  # ... a quarter of the tokens' logits, twice over
                    "del_over_mle": 1.03,  # training step, DEL over MLE: goal
                    "mfu": 0.20},  # 4-layer 7B-width step: a floor (host syncs, fp32 math)
-           benches={"hook": ["bench/loss_tp.py", "--device", "cuda", "--dtype", "bf16",
-                             "--vocab", "152064", "--tokens", "16384", "--repeats", "10"],
-                    "fused": ["bench/loss_fused.py", "--device", "cuda", "--dtype", "bf16",
-                              "--tp", "1", "--tokens", "16384", "--chunk", "1024",
-                              "--chunks", "4096", "--paths", "megatron,fused",
-                              "--memory", "fresh", "--repeats", "3"],
-                    "step": ["bench/train_step.py", "--gpu-7b", "--steps", "6"]},
+           benches={"hook": "bench/loss_tp.py --device cuda --dtype bf16 --vocab 152064 "
+                            "--tokens 16384 --repeats 10",
+                    "fused": "bench/loss_fused.py --device cuda --dtype bf16 --tp 1 --tokens "
+                             "16384 --chunk 1024 --chunks 4096 --paths megatron,fused "
+                             "--memory fresh --repeats 3",
+                    "step": "bench/train_step.py --gpu-7b --steps 6"},
            slowdown=1)
 # float32 on two shared CPU cores: resume and one-rank collectives are bit-exact
 # (tests/training), the two model implementations agree to float32 rounding (.ci/run);
@@ -100,14 +99,13 @@ GPU = Mode("cuda", 20, 8, step1=1e-2, later=2e-2, resumed=2e-2, logits=5e-2, eva
 CPU = Mode("cpu", 8, 3, step1=1e-5, later=1e-4, resumed=0.0, logits=1e-4, eval=1e-4,
            bounds={"hook_time": 3, "hook_peak": 3, "fused_time": 3, "fused_peak": 1,
                    "chunk_time": 3, "chunk_peak": 1, "del_over_mle": 3, "mfu": None},
-           benches={"hook": ["bench/loss_tp.py", "--device", "cpu", "--dtype", "bf16",
-                             "--vocab", "8192", "--tokens", "2048", "--repeats", "1"],
-                    "fused": ["bench/loss_fused.py", "--device", "cpu", "--dtype", "fp32",
-                              "--tp", "1", "--vocab", "16384", "--hidden", "256", "--tokens",
-                              "1024", "--chunk", "256", "--chunks", "512", "--paths",
-                              "megatron,fused", "--memory", "fresh", "--repeats", "1"],
-                    "step": ["-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node=2", "bench/train_step.py", "--steps", "1"]},
+           benches={"hook": "bench/loss_tp.py --device cpu --dtype bf16 --vocab 8192 "
+                            "--tokens 2048 --repeats 1",
+                    "fused": "bench/loss_fused.py --device cpu --dtype fp32 --tp 1 --vocab 16384 "
+                             "--hidden 256 --tokens 1024 --chunk 256 --chunks 512 --paths "
+                             "megatron,fused --memory fresh --repeats 1",
+                    "step": "-m torch.distributed.run --standalone --nproc-per-node=2 "
+                            "bench/train_step.py --steps 1"},
            slowdown=4)
 
 
@@ -168,36 +166,22 @@ class Check:
 
 def stop(proc: subprocess.Popen) -> None:
     """SIGTERM to the command's process group (launch/torchrun.sh then has every rank save and
-    exit), then SIGKILL 30 s later to it and to every process it started (torchrun's ranks
-    have process groups of their own), each known by its pid and start time."""
-    started = {pid: stat(pid) for pid in processes_under(proc.pid) if pid != proc.pid}
+    exit), then SIGKILL 30 s later to it and to what it started that still runs (torchrun's
+    ranks have process groups of their own; psutil refuses a pid that was reused)."""
+    import psutil  # DeepSpeed's requirement: in the image
+
+    started = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
-    for pid, before in started.items():
-        if stat(pid)[1] == before[1]:  # the same process, not a later one with its pid
-            os.kill(pid, signal.SIGKILL)
+    for child in started:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:  # ended, or its pid is another process's now
+            pass
     proc.wait()
-
-
-def stat(pid: int) -> tuple[int | None, str | None]:
-    """(parent pid, start time) from /proc/PID/stat; (None, None) once it is gone."""
-    try:  # pid (name) state ppid ... starttime (the 22nd): split after the name's ')'
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None, None
-    return int(fields[1]), fields[19]
-
-
-def processes_under(root: int) -> list[int]:
-    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
-    found, todo = [], [root]
-    while todo:
-        found.append(todo.pop())
-        todo += [pid for pid in pids if stat(pid)[0] == found[-1]]
-    return found
 
 
 def failure_line(text: str) -> str:
@@ -462,9 +446,11 @@ def judge_eval(c: Check, ours: dict, theirs: dict) -> None:
 
 def bench(c: Check, kind: str, pattern: str) -> list[tuple]:
     """The figures a bench/*.py prints (pattern: a line of them); none found fails."""
-    found = re.findall(pattern, c.run(sys.executable, *c.mode.benches[kind]), re.M)
+    command = shlex.split(c.mode.benches[kind])
+    found = re.findall(pattern, c.run(sys.executable, *command), re.M)
     if not found:
-        raise Failed(f"{c.mode.benches[kind][0]} printed no line like {pattern!r}")
+        script = next(word for word in command if word.endswith(".py"))
+        raise Failed(f"{script} printed no line like {pattern!r}")
     return found
 
 
