@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import stat
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ def run_script(tmp_path: Path, smi: str, *args: str) -> subprocess.CompletedProc
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
     (fake / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
-    (fake / "nvidia-smi").chmod(0o755 | stat.S_IEXEC)
+    (fake / "nvidia-smi").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "OUT": str(tmp_path)}
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=env, text=True,
                           capture_output=True, timeout=120, check=False)
