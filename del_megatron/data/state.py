@@ -1,0 +1,189 @@
+"""The loader's saved state: its format, the versions read, and the refusals.
+
+A checkpoint's data_state.json is a list of per-rank states (one per global rank; tensor-
+parallel peers save the same one). A state says what the training loop consumed: per loader
+worker its stream's position (stream.py), plus the segment (the taken sets at its start,
+cursor.py), the mix and the settings the positions are relative to. Everything here is plain
+data (JSON, torch.load weights_only) and pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import cursor
+from .config import DataConfig
+from .format import DataError, Manifest
+
+LOADER_STATE_VERSION = 2  # 2: the segment's taken sets, the mix and order; any layout
+READABLE_VERSIONS = (1, 2)
+
+STATE_FIELDS = {  # what a per-rank state of each version holds at its top level
+    1: ("dp_rank", "dp_size", "num_workers", "consumed", "workers"),
+    2: ("dp_rank", "dp_size", "num_workers", "consumed", "workers", "segment", "mix", "settings"),
+}
+
+
+def resume_refusal(state: dict[str, Any], dp_size: int, num_workers: int, sources: int) -> str:
+    """Why a saved per-rank state cannot be resumed by a loader of this layout ('' if it can):
+    one sentence naming the fix. A version 2 state continues at any layout and data mix; a
+    version 1 state (saved before the cursor resharded) only at its own."""
+    version = state.get("version")
+    if version not in READABLE_VERSIONS:
+        return (
+            f"its data-loader state has version {version}, this del-megatron reads "
+            f"{' and '.join(map(str, READABLE_VERSIONS))}: resume with the del-megatron that "
+            "wrote it"
+        )
+    if version != 1:
+        return ""
+    workers = max(num_workers, 1)
+    if state.get("dp_size") != dp_size:
+        return (
+            f"its data-loader state (version 1, written before the data cursor could change "
+            f"layout) was saved at data-parallel size {state.get('dp_size')}, this run has "
+            f"{dp_size}: resume at data-parallel size {state.get('dp_size')} (world size / "
+            "parallel.tensor_parallel), then any later checkpoint resumes at any layout"
+        )
+    if state.get("num_workers") != workers:
+        return (
+            f"its data-loader state was saved with data.num_workers={state.get('num_workers')}"
+            f", this run has {workers}: resume with data.num_workers={state.get('num_workers')}"
+        )
+    for worker in state.get("workers", {}).values():
+        saved = len(worker.get("readers", []))
+        if saved != sources:
+            return (
+                f"its data-loader state has {saved} sources and data.sources has {sources}: "
+                "resume with the data.sources it was saved with (its run_config.yaml), or start "
+                "a new run in another output_dir"
+            )
+    return ""
+
+
+def states_by_rank(states: Any) -> dict[int, dict[str, Any]]:
+    """data_state.json's per-rank states by data-parallel rank (tensor-parallel peers save the
+    same one), every rank of the saved layout present; one line for a file that is not what
+    we write."""
+    if not isinstance(states, list):
+        raise DataError("data_state.json: not a list of per-rank data-loader states")
+    saved: dict[int, dict[str, Any]] = {}
+    for number, state in enumerate(states):
+        if not state:
+            continue
+        fields = STATE_FIELDS.get(state.get("version")) if isinstance(state, dict) else None
+        if fields is not None and any(field not in state for field in fields):
+            fields = None
+        if fields is None or not isinstance(state["dp_rank"], int):
+            raise DataError(
+                f"data_state.json: entry {number} is not a data-loader state this del-megatron "
+                "reads: resume from another checkpoint"
+            )
+        saved.setdefault(state["dp_rank"], state)
+    if saved:
+        dp_size = saved[min(saved)]["dp_size"]
+        missing = [r for r in range(dp_size) if r not in saved]
+        if missing:
+            raise DataError(
+                f"data_state.json has no data-loader state of data-parallel rank {missing[0]} "
+                f"(of {dp_size}): the checkpoint is incomplete; resume from another"
+            )
+    return saved
+
+
+def check_resumable(
+    states: list[dict[str, Any] | None], dp_size: int, num_workers: int, sources: int
+) -> None:
+    """The refusals StreamingLoader.resume would make for these saved per-rank states, made
+    before anything starts: preflight runs it, so a dry run catches them."""
+    for state in states_by_rank(states).values():
+        refusal = resume_refusal(state, dp_size, num_workers, sources)
+        if refusal:
+            raise DataError(refusal)
+
+
+@dataclass
+class Segment:
+    """The stretch of a run since its last change of layout or data mix: per source, the
+    epoch its readers started in and the documents taken per epoch before it (cursor.py);
+    batch_limit: batches per slot until the end of finite epochs (None: streaming); id: names
+    it in the trace (the same for every pass over it); follows: the segment it continued and
+    the batches each of that segment's ranks had consumed."""
+
+    number: int
+    start: list[int]
+    taken: list[dict[int, np.ndarray]]
+    batch_limit: int | None = None
+    id: str = "0"
+    follows: dict[str, Any] | None = None
+
+    def taken_text(self) -> list[dict[str, str]]:
+        return [{str(e): cursor.encode(t) for e, t in per.items()} for per in self.taken]
+
+    def saved(self, with_taken: bool) -> dict[str, Any]:
+        """As a state holds it; the taken sets (large, the same on every rank) only
+        `with_taken` (data-parallel rank 0's, and empty ones everywhere)."""
+        return {
+            "number": self.number,
+            "id": self.id,
+            "follows": self.follows,
+            "start": list(self.start),
+            "batch_limit": self.batch_limit,
+            "taken": self.taken_text() if with_taken or not any(self.taken) else None,
+        }
+
+    @classmethod
+    def from_saved(cls, segment: dict[str, Any], taken: list[dict[int, np.ndarray]]) -> Segment:
+        return cls(
+            segment["number"],
+            list(segment["start"]),
+            taken,
+            segment["batch_limit"],
+            segment["id"],
+            segment["follows"],
+        )
+
+
+def decode_taken(
+    taken: list[dict[str, str]], manifests: list[tuple[str, Manifest]]
+) -> list[dict[int, np.ndarray]]:
+    """A saved segment's taken sets, per source of `manifests` (the saved mix's order)."""
+    return [
+        {int(e): cursor.decode(text, manifest.documents) for e, text in per.items()}
+        for per, (_, manifest) in zip(taken, manifests, strict=True)
+    ]
+
+
+def mix_of(cfg: DataConfig, manifests: list[tuple[str, Manifest]]) -> list[dict[str, Any]]:
+    """The sources as a state records them: manifest, content fingerprint, weight."""
+    return [
+        {"manifest": url, "fingerprint": cursor.fingerprint(manifest), "weight": src.weight}
+        for (url, manifest), src in zip(manifests, cfg.sources, strict=True)
+    ]
+
+
+def settings_of(cfg: DataConfig) -> dict[str, Any]:
+    """What, besides the layout and the mix, a state's positions are relative to."""
+    return {
+        "seed": cfg.seed,
+        "shuffle": cfg.shuffle,
+        "seq_len": cfg.seq_len,
+        "micro_batch_size": cfg.micro_batch_size,
+        "epochs": cfg.epochs,
+    }
+
+
+def plain(value: Any) -> Any:
+    """Arrays to lists, so the state is plain data (JSON, torch.load weights_only). Worker
+    processes hand numpy arrays over as tensors (DataLoader's default_convert)."""
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
