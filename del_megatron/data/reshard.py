@@ -234,15 +234,15 @@ def taken_after(
     for epoch in range(min(reached), max([*reached, *before]) + 1):
         taken = before.get(epoch, np.zeros(manifest.documents, bool)).copy()
         prior = before.get(epoch)
-        streams: dict = {}  # one striding document stream per epoch, shared by the slots
+        cache: dict = {}  # what is the same for every slot of the epoch (cursor.read_prefix)
         for slot, (position, skipped) in enumerate(zip(positions, unreadable, strict=True)):
             if epoch < position["epoch"]:  # that slot finished its part of the epoch
                 done = cursor.read_prefix(
-                    manifest, order, epoch, prior, slot, slots, None, skipped, streams
+                    manifest, order, epoch, prior, slot, slots, None, skipped, cache
                 )
             elif epoch == position["epoch"] and "shard_pos" in position:
                 done = cursor.read_prefix(
-                    manifest, order, epoch, prior, slot, slots, position, skipped, streams
+                    manifest, order, epoch, prior, slot, slots, position, skipped, cache
                 )
             else:
                 continue
