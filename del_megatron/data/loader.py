@@ -25,14 +25,16 @@ from .config import DataConfig
 from .format import DataError, load_manifests
 from .state import (
     LOADER_STATE_VERSION,
-    READABLE_VERSIONS,
+    RankState,
+    SavedState,
     Segment,
     decode_taken,
     mix_of,
     plain,
+    read_saved,
     resume_refusal,
     settings_of,
-    states_by_rank,
+    version_refusal,
 )
 from .stream import SlotStream, Windows, build_slot_stream
 from .trace import traced
@@ -229,31 +231,34 @@ class StreamingLoader:
     def load_state_dict(self, state: dict[str, Any], taken: list[dict[str, str]] | None = None):
         """Continue exactly from this rank's own state at the layout it was saved with.
         taken: the segment's taken sets when `state` is not data-parallel rank 0's."""
-        if state.get("version") not in READABLE_VERSIONS:
-            raise DataError(resume_refusal(state, self.dp_size, self.workers, len(self.manifests)))
+        refusal = version_refusal(state.get("version"))
+        if refusal:
+            raise DataError(refusal)
+        self._load(RankState.parse(state, "the state"), taken)
+
+    def _load(self, state: RankState, taken: list[dict[str, str]] | None) -> None:
         for field, mine in (
             ("dp_size", self.dp_size),
             ("num_workers", self.workers),
             ("dp_rank", self.dp_rank),
         ):
-            if state[field] != mine:
+            if getattr(state, field) != mine:
                 raise DataError(
-                    f"data-loader state was saved with {field}={state[field]}, "
+                    f"data-loader state was saved with {field}={getattr(state, field)}, "
                     f"this loader has {field}={mine}"
                 )
-        self.consumed = state["consumed"]
+        self.consumed = state.consumed
         self.offset = self.consumed % self.workers
-        self.worker_states = {int(k): v for k, v in state["workers"].items()}
-        if state["version"] == 1:
+        self.worker_states = dict(state.workers)
+        if state.segment is None:  # version 1
             return
-        segment = state["segment"]
-        taken = segment["taken"] if segment["taken"] is not None else taken
+        taken = state.segment.taken if state.segment.taken is not None else taken
         if taken is None:
             raise DataError(
                 "this data-loader state keeps its taken documents with data-parallel rank 0's: "
                 "resume from the list of every rank's state (StreamingLoader.resume)"
             )
-        self.segment = Segment.from_saved(segment, decode_taken(taken, self.manifests))
+        self.segment = Segment.from_saved(state.segment, decode_taken(taken, self.manifests))
 
     # ---- resume -----------------------------------------------------------------------
 
@@ -261,20 +266,20 @@ class StreamingLoader:
         """Continue from a checkpoint's per-rank states (data_state.json: one per global rank,
         tensor-parallel peers alike) whatever layout and data mix they were saved with.
         Returns one line saying what changed ('' when nothing did)."""
-        saved = states_by_rank(states)
-        if not saved:
+        saved = read_saved(states)
+        if saved is None:
             return ""
-        first = saved[min(saved)]
-        refusal = resume_refusal(first, self.dp_size, self.workers, len(self.manifests))
+        refusal = resume_refusal(saved.first, self.dp_size, self.workers, len(self.manifests))
         if refusal:
             raise DataError(refusal)
-        if first["version"] == 1:
-            self.load_state_dict(saved[self.dp_rank])
+        if saved.first.version == 1:
+            self._load(saved.ranks[self.dp_rank], None)
             return ""
         mix = mix_of(self.cfg, self.manifests)
+        first = saved.first
         changes = reshard.changes(first, self.dp_size, self.workers, mix, settings_of(self.cfg))
         if not changes:
-            self.load_state_dict(saved[self.dp_rank], saved[0]["segment"]["taken"])
+            self._load(saved.ranks[self.dp_rank], saved.segment.taken)
             return ""
         # as many slots, the same mix and settings: each slot keeps its stream. Not with finite
         # epochs: slots have made unequal batch counts, so ranks would be left with different
@@ -288,37 +293,34 @@ class StreamingLoader:
         return "data: " + "; ".join([*lines, left] if left else lines)
 
     def _next_segment(
-        self, saved: dict[int, dict[str, Any]], start: list[int], taken: list[dict[int, Any]]
+        self, saved: SavedState, start: list[int], taken: list[dict[int, Any]]
     ) -> Segment:
         """The segment after the saved one: it follows it from the batches each of its ranks
         had consumed (the trace cuts what a kill lost there), named by what it continues and
         how it reads."""
-        segment = saved[0]["segment"]
-        follows = {
-            "segment": segment["id"],
-            "consumed": {str(r): saved[r]["consumed"] for r in range(saved[0]["dp_size"])},
-        }
+        follows = {"segment": saved.segment.id, "consumed": saved.consumed()}
         mix, settings = mix_of(self.cfg, self.manifests), settings_of(self.cfg)
         name = json.dumps([follows, self.dp_size, self.workers, mix, settings])
         return Segment(
-            segment["number"] + 1,
+            saved.segment.number + 1,
             start,
             taken,
             id=hashlib.sha256(name.encode()).hexdigest()[:12],
             follows=follows,
         )
 
-    def _continue_slots(self, saved: dict[int, dict[str, Any]]) -> None:
+    def _continue_slots(self, saved: SavedState) -> None:
         """Another data-parallel size and worker count with as many slots as before
         (dp x workers), the mix and settings unchanged: slot s keeps its stream, so the run
         reads the documents in the order an unchanged run would. A new segment (for the
         trace) over the same plan: the old segment's start and taken sets."""
-        segment = saved[0]["segment"]
+        segment = saved.segment
+        assert segment.taken is not None  # rank 0's state keeps them
         self.segment = self._next_segment(
-            saved, list(segment["start"]), decode_taken(segment["taken"], self.manifests)
+            saved, list(segment.start), decode_taken(segment.taken, self.manifests)
         )
-        self.segment.batch_limit = segment["batch_limit"]
-        slot_states = reshard.saved_slot_states(saved)
+        self.segment.batch_limit = segment.batch_limit
+        slot_states = saved.slot_states()
         self.worker_states = {}
         for worker in range(self.workers):
             state = slot_states[self.slot(worker)]
@@ -326,7 +328,7 @@ class StreamingLoader:
                 self.worker_states[worker] = state
         self.consumed = self.offset = 0
 
-    def _reshard(self, saved: dict[int, dict[str, Any]], same_mix: bool) -> str:
+    def _reshard(self, saved: SavedState, same_mix: bool) -> str:
         """Start a new segment from states saved at another layout or mix (reshard.py).
         Returns what is left, in words."""
         new = reshard.reshard(saved, self.manifests, self.slots, same_mix)

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import cursor
 from .format import Manifest, resolve
+from .state import RankState, SavedState
 from .stream import STATE_VERSION
 
 
@@ -78,15 +79,15 @@ class Changes:
 
 
 def changes(
-    saved: dict[str, Any],
+    saved: RankState,
     dp_size: int,
     workers: int,
     mix: list[dict[str, Any]],
     settings: dict[str, Any],
 ) -> Changes:
-    """What differs between a saved per-rank state (version 2) and a loader of this layout,
+    """What differs between a saved rank's state (version 2) and a loader of this layout,
     mix (state.mix_of) and settings (state.settings_of)."""
-    old = [(m["manifest"], m["fingerprint"]) for m in saved["mix"]]
+    old = [(m["manifest"], m["fingerprint"]) for m in saved.mix]
     sources: list[SourceChange] = []
     for i, now in enumerate(mix):
         key = (now["manifest"], now["fingerprint"])
@@ -94,7 +95,7 @@ def changes(
             rebuilt = any(url == now["manifest"] for url, _ in old)
             sources.append(SourceChange(now["manifest"], "rebuilt" if rebuilt else "added"))
             continue
-        before = saved["mix"][old.index(key)]
+        before = saved.mix[old.index(key)]
         if before["weight"] != now["weight"]:
             weight = (before["weight"], now["weight"])
             sources.append(SourceChange(now["manifest"], "reweighted", weight))
@@ -103,17 +104,17 @@ def changes(
     new = [(m["manifest"], m["fingerprint"]) for m in mix]
     sources += [SourceChange(url, "removed") for url, fp in old if (url, fp) not in new]
     return Changes(
-        old_slots=saved["dp_size"] * saved["num_workers"],
+        old_slots=saved.dp_size * saved.num_workers,
         new_slots=dp_size * workers,
-        dp_size=(saved["dp_size"], dp_size) if saved["dp_size"] != dp_size else None,
-        workers=(saved["num_workers"], workers) if saved["num_workers"] != workers else None,
+        dp_size=(saved.dp_size, dp_size) if saved.dp_size != dp_size else None,
+        workers=(saved.num_workers, workers) if saved.num_workers != workers else None,
         sources=tuple(sources),
         settings=tuple(
-            (name, saved["settings"][name], value)
+            (name, saved.settings[name], value)
             for name, value in settings.items()
-            if saved["settings"][name] != value
+            if saved.settings[name] != value
         ),
-        same_mix=saved["mix"] == mix,
+        same_mix=saved.mix == mix,
     )
 
 
@@ -129,19 +130,8 @@ class Resharded:
     left: list[str]
 
 
-def saved_slot_states(saved: dict[int, dict[str, Any]]) -> list[dict[str, Any] | None]:
-    """Every old slot's stream state (None: that slot had not made a batch), slot order."""
-    first = saved[0]
-    old_workers = first["num_workers"]
-    slot_states: list[dict[str, Any] | None] = [None] * (first["dp_size"] * old_workers)
-    for rank in range(first["dp_size"]):
-        for worker, state in saved[rank]["workers"].items():
-            slot_states[rank * old_workers + int(worker)] = state
-    return slot_states
-
-
 def reshard(
-    saved: dict[int, dict[str, Any]],
+    saved: SavedState,
     manifests: list[tuple[str, Manifest]],
     slots: int,
     same_mix: bool,
@@ -149,10 +139,10 @@ def reshard(
     """The new segment from states saved at another layout or mix: every document any old slot
     took is taken, the new slots split the rest, and the old slots' partly packed windows go to
     new slot (old slot % new slots), in order."""
-    first = saved[0]
-    settings, segment = first["settings"], first["segment"]
-    old_keys = [(m["manifest"], m["fingerprint"]) for m in first["mix"]]
-    slot_states = saved_slot_states(saved)
+    settings, segment = saved.first.settings, saved.segment
+    old_keys = [(m["manifest"], m["fingerprint"]) for m in saved.first.mix]
+    slot_states = saved.slot_states()
+    assert segment.taken is not None  # rank 0's state keeps them
     old_slots = len(slot_states)
     skipped: list[str] = []
     for state in slot_states:
@@ -168,10 +158,10 @@ def reshard(
         index = old_keys.index(key)
         before = {
             int(e): cursor.decode(text, manifest.documents)
-            for e, text in segment["taken"][index].items()
+            for e, text in segment.taken[index].items()
         }
         positions = [
-            state["readers"][index] if state else {"epoch": segment["start"][index]}
+            state["readers"][index] if state else {"epoch": segment.start[index]}
             for state in slot_states
         ]
         unreadable = [

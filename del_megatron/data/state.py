@@ -9,7 +9,7 @@ data (JSON, torch.load weights_only) and pure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,33 +28,120 @@ STATE_FIELDS = {  # what a per-rank state of each version holds at its top level
 }
 
 
-def resume_refusal(state: dict[str, Any], dp_size: int, num_workers: int, sources: int) -> str:
+def version_refusal(version: Any) -> str:
+    """Why a state of this version cannot be read ('' if it can), naming the fix."""
+    if version in READABLE_VERSIONS:
+        return ""
+    return (
+        f"its data-loader state has version {version}, this del-megatron reads "
+        f"{' and '.join(map(str, READABLE_VERSIONS))}: resume with the del-megatron that "
+        "wrote it"
+    )
+
+
+@dataclass(frozen=True)
+class SavedSegment:
+    """The segment a state was saved in, as saved (Segment is the live one); taken: its taken
+    sets as text, per source of the saved mix (None in every rank's state but data-parallel
+    rank 0's, when not empty)."""
+
+    number: int
+    id: str
+    follows: dict[str, Any] | None
+    start: list[int]
+    batch_limit: int | None
+    taken: list[dict[str, str]] | None
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One data-parallel rank's saved state (tensor-parallel peers save the same one).
+    workers: per logical worker, its slot stream's state (stream.py's format); mix, settings
+    and segment: what the positions are relative to (version 2; empty in version 1)."""
+
+    version: int
+    dp_rank: int
+    dp_size: int
+    num_workers: int
+    consumed: int
+    workers: dict[int, dict[str, Any]]
+    mix: list[dict[str, Any]] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+    segment: SavedSegment | None = None
+
+    @classmethod
+    def parse(cls, state: Any, what: str) -> RankState:
+        """A per-rank state as state_dict() writes it; one line naming `what` it is (in
+        data_state.json) for anything else."""
+        try:
+            saved = {name: state[name] for name in STATE_FIELDS[state["version"]]}
+            if not isinstance(saved["dp_rank"], int):
+                raise TypeError("dp_rank")
+            if state["version"] != 1:
+                saved["segment"] = SavedSegment(**saved["segment"])
+            saved["workers"] = {int(k): v for k, v in saved["workers"].items()}
+            return cls(version=state["version"], **saved)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise DataError(
+                f"data_state.json: {what} is not a data-loader state this del-megatron reads: "
+                "resume from another checkpoint"
+            ) from None
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """A checkpoint's data state: one record per data-parallel rank of the layout it was
+    saved at (ranks[r] is rank r's), and the segment they were in with its taken sets (kept
+    once, by rank 0)."""
+
+    ranks: tuple[RankState, ...]
+
+    @property
+    def first(self) -> RankState:
+        return self.ranks[0]
+
+    @property
+    def segment(self) -> SavedSegment:
+        assert self.first.segment is not None  # version 2
+        return self.first.segment
+
+    @property
+    def slots(self) -> int:
+        return self.first.dp_size * self.first.num_workers
+
+    def slot_states(self) -> list[dict[str, Any] | None]:
+        """Every old slot's stream state (None: that slot had not made a batch), slot order."""
+        states: list[dict[str, Any] | None] = [None] * self.slots
+        for rank in self.ranks:
+            for worker, state in rank.workers.items():
+                states[rank.dp_rank * rank.num_workers + worker] = state
+        return states
+
+    def consumed(self) -> dict[str, int]:
+        """Batches each rank had consumed, by rank (as the trace names them)."""
+        return {str(rank.dp_rank): rank.consumed for rank in self.ranks}
+
+
+def resume_refusal(state: RankState, dp_size: int, num_workers: int, sources: int) -> str:
     """Why a saved per-rank state cannot be resumed by a loader of this layout ('' if it can):
     one sentence naming the fix. A version 2 state continues at any layout and data mix; a
     version 1 state (saved before the cursor resharded) only at its own."""
-    version = state.get("version")
-    if version not in READABLE_VERSIONS:
-        return (
-            f"its data-loader state has version {version}, this del-megatron reads "
-            f"{' and '.join(map(str, READABLE_VERSIONS))}: resume with the del-megatron that "
-            "wrote it"
-        )
-    if version != 1:
-        return ""
+    if state.version != 1:
+        return version_refusal(state.version)
     workers = max(num_workers, 1)
-    if state.get("dp_size") != dp_size:
+    if state.dp_size != dp_size:
         return (
             f"its data-loader state (version 1, written before the data cursor could change "
-            f"layout) was saved at data-parallel size {state.get('dp_size')}, this run has "
-            f"{dp_size}: resume at data-parallel size {state.get('dp_size')} (world size / "
+            f"layout) was saved at data-parallel size {state.dp_size}, this run has "
+            f"{dp_size}: resume at data-parallel size {state.dp_size} (world size / "
             "parallel.tensor_parallel), then any later checkpoint resumes at any layout"
         )
-    if state.get("num_workers") != workers:
+    if state.num_workers != workers:
         return (
-            f"its data-loader state was saved with data.num_workers={state.get('num_workers')}"
-            f", this run has {workers}: resume with data.num_workers={state.get('num_workers')}"
+            f"its data-loader state was saved with data.num_workers={state.num_workers}"
+            f", this run has {workers}: resume with data.num_workers={state.num_workers}"
         )
-    for worker in state.get("workers", {}).values():
+    for worker in state.workers.values():
         saved = len(worker.get("readers", []))
         if saved != sources:
             return (
@@ -65,34 +152,27 @@ def resume_refusal(state: dict[str, Any], dp_size: int, num_workers: int, source
     return ""
 
 
-def states_by_rank(states: Any) -> dict[int, dict[str, Any]]:
-    """data_state.json's per-rank states by data-parallel rank (tensor-parallel peers save the
-    same one), every rank of the saved layout present; one line for a file that is not what
-    we write."""
+def read_saved(states: Any) -> SavedState | None:
+    """data_state.json (a list of per-rank states, one per global rank: tensor-parallel peers
+    save the same one) as one record per data-parallel rank, every rank of the saved layout
+    present (None: no states); one line for a file that is not what we write."""
     if not isinstance(states, list):
         raise DataError("data_state.json: not a list of per-rank data-loader states")
-    saved: dict[int, dict[str, Any]] = {}
+    saved: dict[int, RankState] = {}
     for number, state in enumerate(states):
-        if not state:
-            continue
-        fields = STATE_FIELDS.get(state.get("version")) if isinstance(state, dict) else None
-        if fields is not None and any(field not in state for field in fields):
-            fields = None
-        if fields is None or not isinstance(state["dp_rank"], int):
-            raise DataError(
-                f"data_state.json: entry {number} is not a data-loader state this del-megatron "
-                "reads: resume from another checkpoint"
-            )
-        saved.setdefault(state["dp_rank"], state)
-    if saved:
-        dp_size = saved[min(saved)]["dp_size"]
-        missing = [r for r in range(dp_size) if r not in saved]
-        if missing:
-            raise DataError(
-                f"data_state.json has no data-loader state of data-parallel rank {missing[0]} "
-                f"(of {dp_size}): the checkpoint is incomplete; resume from another"
-            )
-    return saved
+        if state:
+            rank = RankState.parse(state, f"entry {number}")
+            saved.setdefault(rank.dp_rank, rank)
+    if not saved:
+        return None
+    dp_size = saved[min(saved)].dp_size
+    missing = [r for r in range(dp_size) if r not in saved]
+    if missing:
+        raise DataError(
+            f"data_state.json has no data-loader state of data-parallel rank {missing[0]} "
+            f"(of {dp_size}): the checkpoint is incomplete; resume from another"
+        )
+    return SavedState(tuple(saved[r] for r in range(dp_size)))
 
 
 def check_resumable(
@@ -100,8 +180,9 @@ def check_resumable(
 ) -> None:
     """The refusals StreamingLoader.resume would make for these saved per-rank states, made
     before anything starts: preflight runs it, so a dry run catches them."""
-    for state in states_by_rank(states).values():
-        refusal = resume_refusal(state, dp_size, num_workers, sources)
+    saved = read_saved(states)
+    for rank in saved.ranks if saved is not None else ():
+        refusal = resume_refusal(rank, dp_size, num_workers, sources)
         if refusal:
             raise DataError(refusal)
 
@@ -137,14 +218,14 @@ class Segment:
         }
 
     @classmethod
-    def from_saved(cls, segment: dict[str, Any], taken: list[dict[int, np.ndarray]]) -> Segment:
+    def from_saved(cls, segment: SavedSegment, taken: list[dict[int, np.ndarray]]) -> Segment:
         return cls(
-            segment["number"],
-            list(segment["start"]),
+            segment.number,
+            list(segment.start),
             taken,
-            segment["batch_limit"],
-            segment["id"],
-            segment["follows"],
+            segment.batch_limit,
+            segment.id,
+            segment.follows,
         )
 
 
