@@ -152,10 +152,67 @@ def resume_refusal(state: RankState, dp_size: int, num_workers: int, sources: in
     return ""
 
 
+FILE_VERSION = 3  # data_state.json as one record: the segment once, a record per dp rank
+
+
+def saved_file(states: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """data_state.json from every global rank's state_dict() (tensor-parallel peers save the
+    same one): the layout, mix, settings and segment with its taken sets once, then one record
+    per data-parallel rank (its consumed batches and its workers' stream states). read_saved
+    reads it, and the list of per-rank states written before it."""
+    saved = read_saved(states)
+    if saved is None or saved.first.segment is None:
+        raise ValueError("saved_file takes the per-rank states this del-megatron's loader writes")
+    first = saved.first
+    return {
+        "version": FILE_VERSION,
+        "dp_size": first.dp_size,
+        "num_workers": first.num_workers,
+        "mix": first.mix,
+        "settings": first.settings,
+        "segment": vars(saved.segment),
+        "ranks": [
+            {"dp_rank": rank.dp_rank, "consumed": rank.consumed, "workers": rank.workers}
+            for rank in saved.ranks
+        ],
+    }
+
+
+def _read_file(saved: dict[str, Any]) -> SavedState:
+    """A data_state.json of FILE_VERSION."""
+    try:
+        segment = SavedSegment(**saved["segment"])
+        ranks = tuple(
+            RankState(
+                version=LOADER_STATE_VERSION,
+                dp_rank=rank["dp_rank"],
+                dp_size=saved["dp_size"],
+                num_workers=saved["num_workers"],
+                consumed=rank["consumed"],
+                workers={int(k): v for k, v in rank["workers"].items()},
+                mix=saved["mix"],
+                settings=saved["settings"],
+                segment=segment,
+            )
+            for rank in saved["ranks"]
+        )
+        if [rank.dp_rank for rank in ranks] != list(range(saved["dp_size"])):
+            raise ValueError("ranks")
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise DataError(
+            "data_state.json: not a data-loader state this del-megatron reads (a field is "
+            "missing or not what we write): resume from another checkpoint"
+        ) from None
+    return SavedState(ranks)
+
+
 def read_saved(states: Any) -> SavedState | None:
-    """data_state.json (a list of per-rank states, one per global rank: tensor-parallel peers
-    save the same one) as one record per data-parallel rank, every rank of the saved layout
-    present (None: no states); one line for a file that is not what we write."""
+    """data_state.json as one record per data-parallel rank, every rank of the saved layout
+    present (None: no states): a saved_file record, or the list of per-rank states (one per
+    global rank: tensor-parallel peers save the same one) written before it; one line for a
+    file that is not what we write."""
+    if isinstance(states, dict) and states.get("version") == FILE_VERSION:
+        return _read_file(states)
     if not isinstance(states, list):
         raise DataError("data_state.json: not a list of per-rank data-loader states")
     saved: dict[int, RankState] = {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from del_megatron.data import DataConfig, DataError, DataSource, StreamingLoader
 from del_megatron.data.state import check_resumable, read_saved
@@ -54,3 +55,35 @@ def test_a_malformed_field_inside_a_state_is_one_line_at_the_dry_run_and_the_res
     with pytest.raises(DataError, match=expected) as err:
         StreamingLoader(cfg, 0, 1).resume(states)
     assert "\n" not in str(err.value)
+
+
+def test_the_one_record_file_resumes_as_the_list_of_per_rank_states_does(synth_shards):
+    """saved_file (the segment and its taken sets once, a record per data-parallel rank) and
+    the list data_state.json held before (one state per global rank) resume alike: the same
+    line, the same batches, at the same layout and another."""
+    from del_megatron.data.state import saved_file
+
+    cfg, _ = _states(synth_shards)
+    first = [StreamingLoader(cfg.model_copy(update={"epochs": 1}), rank, 2) for rank in range(2)]
+    for loader in first:  # a few batches, then a reshard 2 -> 3 with taken sets
+        batches = iter(loader)
+        for _ in range(5):
+            next(batches)
+    middle = [StreamingLoader(cfg.model_copy(update={"epochs": 1}), rank, 3) for rank in range(3)]
+    for loader in middle:
+        loader.resume([json.loads(json.dumps(s.state_dict())) for s in first for _ in range(2)])
+        batches = iter(loader)
+        for _ in range(3):
+            next(batches)
+    listed = [json.loads(json.dumps(loader.state_dict())) for loader in middle for _ in range(2)]
+    record = json.loads(json.dumps(saved_file(listed)))
+    assert len(json.dumps(record)) < len(json.dumps(listed)) / 2  # no copies
+    check_resumable(record, 1, 0, 1)
+    for dp_size in (3, 1):
+        for rank in range(dp_size):
+            a = StreamingLoader(cfg.model_copy(update={"epochs": 1}), rank, dp_size)
+            b = StreamingLoader(cfg.model_copy(update={"epochs": 1}), rank, dp_size)
+            assert a.resume(listed) == b.resume(record)
+            assert a.state_dict() == b.state_dict()
+            for x, y in zip(a, b, strict=True):
+                assert all(torch.equal(x[k], y[k]) for k in ("tokens", "labels", "loss_mask"))
