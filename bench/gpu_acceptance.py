@@ -97,19 +97,13 @@ CPU = Mode("cpu", 8, 3, 4, {k: v[1] for k, v in BOUNDS.items()}, {
 class Failed(Exception):
     """A command that failed or a figure out of its bound: the row's note."""
 
-    status = "fail"
-
 
 class Skipped(Exception):
     """What this machine or branch lacks: a skipped row, never a pass."""
 
-    status = "skipped"
-
 
 @dataclass
 class Check:
-    """One check's run: its deadline and log; the figures it read."""
-
     name: str
     mode: Mode
     work: Path
@@ -127,8 +121,7 @@ class Check:
         self.within(name, value, 0, self.mode.bounds[bound])
 
     def run(self, *cmd: str, ok=(0,), env=None, stop_when=None) -> str:
-        """Run a command in the repository root until the check's deadline; its output goes
-        to the log and is returned. stop_when: SIGUSR1 to it once this returns true."""
+        """The command's output (logged too); stop_when: SIGUSR1 to it once this is true."""
         with (self.work / "logs" / f"{self.name}.log").open("ab+") as log:
             log.write(f"$ {shlex.join(cmd)}\n".encode())
             start = log.tell()
@@ -154,9 +147,8 @@ class Check:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the command's process group (launch/torchrun.sh: every rank saves), SIGKILL
-    30 s later to it and to all it started (torchrun's ranks have process groups of their
-    own; psutil, DeepSpeed's requirement, refuses a pid that was reused)."""
+    """SIGTERM to its process group (launch/torchrun.sh: every rank saves), SIGKILL 30 s later
+    to all it started (torchrun's ranks have groups of their own; psutil refuses reused pids)."""
     import psutil
 
     started = psutil.Process(proc.pid).children(recursive=True)
@@ -188,9 +180,8 @@ def relative(a: float, b: float) -> float:
 
 
 def check_install(c: Check) -> str:
-    """The wheels of .whl/ where the interpreter lacks the distribution or has an older one
-    (pip picks the file for this Python); then the carried distributions' requirements and
-    pyproject.toml's of them must all be met by what the commands will import."""
+    """.whl/'s wheels where the interpreter lacks the distribution or has an older one (pip
+    picks the file for this Python); then what they and pyproject.toml require must be met."""
     site, python = c.env["DEL_SITE"], f"Python {sys.version.split()[0]}"
     carried = {canonical(f.name.split("-")[0]): f.name.split("-")[1] for f in WHEELS.glob("*.whl")}
     have = visible([site, *sys.path])
@@ -385,9 +376,8 @@ def check_del_eval(c: Check) -> str:
 
 
 def evaluate_with_export(c: Check, checkpoint: Path, name: str) -> Path:
-    """del-convert, del-eval of both, del-eval compare. Mean loss and digit entropy are
-    smooth: judged; digit accuracy and number errors hang on argmax near-ties that bf16 flips
-    between two implementations: recorded."""
+    """del-convert, del-eval of both, del-eval compare. Loss and digit entropy are judged;
+    digit accuracy and number errors (argmax near-ties that bf16 flips) only recorded."""
     export = c.work / f"{name}-export"
     results = [c.work / f"{name}-checkpoint", c.work / f"{name}-hf"]
     c.run(sys.executable, "-m", "del_megatron.cli.convert", "megatron-to-hf", "--checkpoint",
@@ -445,10 +435,8 @@ def check_bench_train_step(c: Check) -> None:
         c.within("mfu_del", rows["del"][4], c.mode.bounds["mfu"], 1)
 
 
-# name, function, estimate on one H200 (s), time limit (s); a TP 2 check needs 2 GPUs.
-# The estimates are not measured yet (no GPU lent so far): about 15 s of start-up a process
-# that imports megatron-core and DeepSpeed, plus the first step's Inductor compile (about a
-# minute) in the first training run; the first GPU run's seconds column replaces them.
+# name, function, estimate on one H200 (s), time limit (s); a TP 2 check needs 2 GPUs. Not
+# measured yet: ~15 s to import megatron-core and DeepSpeed, ~1 min for the first compile.
 PLAN = [
     ("install", check_install, 10, 120),
     ("env", check_env, 15, 120),
@@ -472,8 +460,6 @@ PLAN = [
 def plan_for(gpus: int) -> list[tuple]:
     return [check for check in PLAN if gpus >= 2 or not check[0].endswith("-tp2")]
 
-
-# ---- the inputs this file builds, each in a process of its own ----------------------------
 
 
 def probe_env(device: str) -> dict:
@@ -532,8 +518,6 @@ def tiny_qwen2(out: Path, tokenizer: Path) -> None:
     shutil.copy(tokenizer, out / "tokenizer.model")
 
 
-# ---- the run ------------------------------------------------------------------------------
-
 
 def run_plan(plan: list[tuple], mode: Mode, work: Path, env: dict, record=print) -> list[dict]:
     """The checks in order; record(rows) after each (a run cut short keeps its rows)."""
@@ -547,7 +531,7 @@ def run_plan(plan: list[tuple], mode: Mode, work: Path, env: dict, record=print)
                 raise Skipped(f"the {blocked} check failed")
             status, note = "pass", function(c) or ""
         except (Failed, Skipped) as err:
-            status, note = err.status, str(err)
+            status, note = "skipped" if isinstance(err, Skipped) else "fail", str(err)
         except Exception as err:  # our bug: the row names it, the log has the traceback
             with (work / "logs" / f"{name}.log").open("a") as f:
                 f.write(traceback.format_exc())
