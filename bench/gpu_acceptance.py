@@ -461,7 +461,6 @@ def plan_for(gpus: int) -> list[tuple]:
     return [check for check in PLAN if gpus >= 2 or not check[0].endswith("-tp2")]
 
 
-
 def probe_env(device: str) -> dict:
     """Versions, and what decides the GPU paths (issue 25 item 10): which product forms the
     fused op's weight gradient, Transformer Engine, flash SDPA."""
@@ -481,7 +480,9 @@ def probe_env(device: str) -> dict:
              "fused_weight_grad": ("addmm(out_dtype=float32)" if addmm else
                                    "float32 product of upcast chunks (slower)") + " in bf16"}
     modules = ["megatron.core", "deepspeed", "transformers", "pydantic", "webdataset"]
-    for module in modules + ["transformer_engine"] * transformer_engine_available():
+    if transformer_engine_available():
+        modules.append("transformer_engine")
+    for module in modules:
         facts[module.split(".")[0]] = importlib.import_module(module).__version__
     if dev.type == "cuda":
         from deepspeed.accelerator import get_accelerator
