@@ -11,8 +11,6 @@ wiring, not the figures); --plan: the checks and their estimates on one H200. Th
 .whl/ (bench/fetch_gpu_wheels.sh) go into $DEL_SITE (default /tmp/del-site-pyX.Y).
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os
