@@ -193,7 +193,8 @@ def check_install(c: Check) -> str:
     wanted = [("pyproject.toml", r) for r in carried_requirements(ROOT / "pyproject.toml")]
     wanted += [(n, r) for n in sorted(carried.keys() & have.keys()) for r in have[n].requires or []]
     unmet = []
-    for who, requirement in ((who, Requirement(text)) for who, text in wanted):
+    for who, text in wanted:
+        requirement = Requirement(text)
         if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
             continue  # another platform's, or an extra's
         dist = have.get(canonical(requirement.name))
