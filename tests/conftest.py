@@ -119,6 +119,19 @@ def synth_tokenizer(synth_corpus, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def synth_llama3_tokenizer(synth_corpus, tmp_path_factory) -> Path:
+    """A byte-level BPE with Llama-3's pre-tokenizer (digits grouped 1..3), by data_tools."""
+    from data_tools.tokenizer_train import train_tokenizer
+
+    return train_tokenizer(
+        [synth_corpus / "train.jsonl"],
+        tmp_path_factory.mktemp("tok3") / "tokenizer.json",
+        vocab_size=1600,
+        style="llama3",
+    )
+
+
+@pytest.fixture(scope="session")
 def synth_shards(synth_corpus, synth_tokenizer, tmp_path_factory) -> Path:
     """The synthetic corpus as ~20 small shards; returns the manifest path."""
     from data_tools.build import build_shards

@@ -1,0 +1,103 @@
+"""Grouped digits: number tokens of 1..m digits (Llama-3's `\\p{N}{1,3}`), docs/losses.md.
+
+G_k is the set of number tokens of exactly k digits. At a position whose target is a k-digit
+number token d_0 .. d_{k-1}, digit slot j has the class logits
+z_d = logsumexp{ z_c : c in G_k, c[j] = d } (d = 0..9): the model's marginal of digit j
+among k-digit number tokens. Each (k, j, d) set is one row of the vocabulary's member table
+(`DigitVocab.group_sets`), so the ops (reference, vocabulary-parallel, fused) form its class
+logit exactly as they form a digit class's, with no change: class logits [N, S],
+S = 10 * (1 + 2 + .. + m). This module turns the targets into one row per digit slot (the
+token's row, the slot's digit, the place weight of that digit in the whole number) and picks
+each slot's ten columns out of the S; `assemble` then runs every digit term on [slots, 10]
+as it runs them on [digit positions, 10]. With m = 1 the rows, classes, weights and columns
+are those of single-digit tokens, value for value (tests/losses/test_groups.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import NumericLossConfig
+from .places import number_runs, place_weights
+from .vocab import NOT_A_CLASS, POINT_CLASS, DigitVocab
+
+
+def slot_offset(count: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Column of digit 0 of slot j of k-digit tokens among the S set columns:
+    10 * (1 + 2 + .. + (k - 1) + j), the order of `DigitVocab.group_sets`."""
+    return 10 * (count * (count - 1) // 2 + slot)
+
+
+def grouped_places(classes: torch.Tensor, count: torch.Tensor, max_digits: int):
+    """Place of every digit of every number token.
+
+    classes: [..., s] long, 0 at number tokens (any digit), POINT_CLASS at '.', negative
+    elsewhere; count: [..., s] long, digits of each number token (0 elsewhere).
+    Returns place [..., s, m] long (power of ten of digit j of the token at t in its whole
+    number: "12345" as "123", "45" gives 4, 3, 2 and 1, 0) and is_slot [..., s, m] bool
+    (j < count). A run's digits are counted with cumulative sums of `count` instead of
+    positions, so with m = 1 this is `digit_places`.
+    """
+    runs = number_runs(classes)
+    digits_through = torch.cumsum(count, dim=-1)  # digits at or before t
+    digits_before = digits_through - count
+    run_end = (runs.next_non_digit - 1).clamp_min(0)  # a number token's run's last token
+    after = digits_through.gather(-1, run_end) - digits_through  # digits after t in its run
+    opened = runs.last_non_digit  # the '.' before a decimal run (always >= 0 there)
+    before_run = torch.where(
+        opened >= 0, digits_through.gather(-1, opened.clamp_min(0)), torch.zeros_like(count)
+    )
+    before = digits_before - before_run  # digits before t in its (decimal) run
+    slot = torch.arange(max_digits, device=classes.device)
+    integer = (after + count - 1).unsqueeze(-1) - slot
+    decimal = -(before + 1).unsqueeze(-1) - slot
+    place = torch.where(runs.decimal_run.unsqueeze(-1), decimal, integer)
+    is_slot = runs.is_digit.unsqueeze(-1) & (slot < count.unsqueeze(-1))
+    return torch.where(is_slot, place, 0), is_slot
+
+
+def grouped_targets(
+    valid: torch.Tensor,
+    safe: torch.Tensor,
+    vocab: DigitVocab,
+    cfg: NumericLossConfig,
+    vocab_size: int,
+    dtype: torch.dtype,
+):
+    """`Targets` with one row per digit slot: valid, safe [..., s] (as `prepare_targets`
+    makes them). rows [n] repeat a token's row once per digit (n counts digits, not tokens);
+    classes [n] the slot's digit; weights [n] u(place); slot_offset [n] its first column."""
+    from .assemble import Targets  # assemble dispatches here: imported late
+
+    if cfg.include_decimal_point:
+        vocab.class_members(11, safe.device)  # refuses it, in one line
+    count_table, digit_table = vocab.number_table(vocab_size, safe.device)
+    count = torch.where(valid, count_table[safe], 0)
+    point = valid & (vocab.class_table(vocab_size, safe.device)[safe] == POINT_CLASS)
+    classes = torch.where(count > 0, 0, torch.where(point, POINT_CLASS, NOT_A_CLASS))
+    place, is_slot = grouped_places(classes, count, vocab.max_digits)
+    if cfg.resolved_place_weighting:
+        weights = place_weights(place, cfg.place_slope, cfg.decimal_base, dtype)
+    else:
+        weights = torch.ones(place.shape, dtype=dtype, device=safe.device)
+    m = vocab.max_digits
+    index = is_slot.flatten().nonzero().squeeze(1)  # the one host read, as for single digits
+    rows = index // m
+    return Targets(
+        shape=valid.shape,
+        valid=valid.flatten(),
+        safe_labels=safe.flatten(),
+        rows=rows,
+        classes=digit_table[safe].flatten()[index],
+        weights=weights.flatten()[index].to(dtype),
+        slot_offset=slot_offset(count.flatten()[rows], index % m),
+    )
+
+
+def slot_class_logits(class_logits: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """The ten class logits of each digit slot [n, 10] out of the set logits [n, S] of its
+    token (`offset` [n] from `grouped_targets`); None (single-digit vocabularies): as given."""
+    if offset is None:
+        return class_logits
+    columns = offset.unsqueeze(1) + torch.arange(10, device=offset.device)
+    return class_logits.gather(1, columns)
