@@ -101,3 +101,14 @@ def slot_class_logits(class_logits: torch.Tensor, offset: torch.Tensor | None) -
         return class_logits
     columns = offset.unsqueeze(1) + torch.arange(10, device=offset.device)
     return class_logits.gather(1, columns)
+
+
+def target_is_max_of_rows(
+    logits: torch.Tensor, target: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """Whether each row's target logit is the row maximum, for the rows `rows` [n] of logits
+    [N, V] (targets [N]): a max over every row, read in place, then picked. Copying the digit
+    rows out first, as for single digits, copies each number token's row once per digit (a
+    [n, V] copy: most of the loss' time at V = 128256 on CPU, docs/benchmarks.md)."""
+    target_logit = logits.gather(1, target.unsqueeze(1)).squeeze(1)
+    return (target_logit >= logits.amax(-1)).index_select(0, rows)

@@ -17,6 +17,7 @@ from .assemble import (
     prepare_targets,
 )
 from .config import NumericLossConfig
+from .groups import target_is_max_of_rows
 from .vocab import DigitVocab
 
 
@@ -81,9 +82,14 @@ def numeric_loss(
         flat, targets.safe_labels, member_ids, member_valid, vocab_size
     )
     with torch.no_grad():
-        digit_rows = flat.index_select(0, targets.rows)[:, :vocab_size]
-        target_logit = digit_rows.gather(1, targets.safe_labels[targets.rows].unsqueeze(1))
-        target_is_max = target_logit.squeeze(1) >= digit_rows.amax(-1)
+        if targets.slot_offset is not None:  # grouped digits: rows repeat per digit slot
+            target_is_max = target_is_max_of_rows(
+                flat[:, :vocab_size], targets.safe_labels, targets.rows
+            )
+        else:
+            digit_rows = flat.index_select(0, targets.rows)[:, :vocab_size]
+            target_logit = digit_rows.gather(1, targets.safe_labels[targets.rows].unsqueeze(1))
+            target_is_max = target_logit.squeeze(1) >= digit_rows.amax(-1)
 
     emo_cost = None
     if cfg.kind_spec.needs_cost_embedding:

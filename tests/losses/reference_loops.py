@@ -27,42 +27,11 @@ def token_kinds(labels, digit_ids, point_ids, ignore_index, mask):
 
 
 def scan_places(kinds):
-    """Left-to-right scan: place of each digit, and which '.' are decimal points."""
-    n = len(kinds)
-
-    def is_digit(t):
-        return 0 <= t < n and isinstance(kinds[t], int)
-
-    places = [None] * n
-    decimal_points = [False] * n
-
-    def read_decimals(t):
-        start = t
-        while is_digit(t):
-            places[t] = -(t - start + 1)
-            t += 1
-        if t < n and kinds[t] == POINT:  # a second '.' ends the number and starts nothing
-            t += 1
-        return t
-
-    t = 0
-    while t < n:
-        if is_digit(t):
-            start = t
-            while is_digit(t):
-                t += 1
-            for j in range(start, t):
-                places[j] = t - 1 - j
-            if t < n and kinds[t] == POINT and is_digit(t + 1):
-                decimal_points[t] = True
-                t = read_decimals(t + 1)
-            continue
-        if kinds[t] == POINT and is_digit(t + 1) and not is_digit(t - 1):
-            decimal_points[t] = True
-            t = read_decimals(t + 1)
-            continue
-        t += 1
-    return places, decimal_points
+    """Left-to-right scan: place of each digit, and which '.' are decimal points (the grouped
+    scan below on one-digit strings)."""
+    strings = [str(k) if isinstance(k, int) else k for k in kinds]
+    places, decimal_points = scan_grouped_places(strings)
+    return [None if p is None else p[0] for p in places], decimal_points
 
 
 def weight(place, slope, base):
@@ -178,13 +147,15 @@ def grouped_kinds(labels, strings, point_ids, ignore_index, mask):
 
 
 def scan_grouped_places(kinds):
-    """Left-to-right scan: per position, the places of its token's digits (a list)."""
+    """Left-to-right scan: per position, the places of its token's digits (a list; None off
+    numbers), and which '.' are decimal points. kinds: digit strings, '.', None, 'masked'."""
     n = len(kinds)
 
     def is_number(t):
         return 0 <= t < n and kinds[t] not in (None, POINT, "masked")
 
     places = [None] * n
+    decimal_points = [False] * n
 
     def read_decimals(t):
         seen = 0
@@ -207,13 +178,15 @@ def scan_grouped_places(kinds):
                 places[i] = [remaining - 1 - j for j in range(len(kinds[i]))]
                 remaining -= len(kinds[i])
             if t < n and kinds[t] == POINT and is_number(t + 1):
+                decimal_points[t] = True
                 t = read_decimals(t + 1)
             continue
         if kinds[t] == POINT and is_number(t + 1) and not is_number(t - 1):
+            decimal_points[t] = True
             t = read_decimals(t + 1)
             continue
         t += 1
-    return places
+    return places, decimal_points
 
 
 def digit_term(kind, zc, target, tau):
@@ -248,7 +221,7 @@ def grouped_loop_loss(logits, labels, strings, point_ids, cfg, vocab_size, mask=
         kinds = grouped_kinds(
             labels[b], strings, point_ids, cfg["ignore_index"], None if mask is None else mask[b]
         )
-        places = scan_grouped_places(kinds)
+        places, _ = scan_grouped_places(kinds)
         for t, label in enumerate(labels[b]):
             if kinds[t] == "masked":
                 continue

@@ -70,7 +70,7 @@ def test_places_equal_the_loop_scan_on_random_batches():
         kinds = grouped_kinds(
             labels[b].tolist(), GROUPED_STRINGS, GROUPED_POINT_IDS, -100, mask[b].tolist()
         )
-        expected = scan_grouped_places(kinds)
+        expected, _ = scan_grouped_places(kinds)
         for t, places in enumerate(expected):
             got = [int(p) for p, s in zip(place[b, t], is_slot[b, t], strict=True) if s]
             assert got == (places or []), (b, t, kinds[t])
