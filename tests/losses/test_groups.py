@@ -136,3 +136,34 @@ def test_grouped_machinery_at_m1_is_the_single_digit_path_bit_for_bit(kind, dtyp
     assert torch.equal(grouped.loss, today.loss) and torch.equal(grouped.per_token, today.per_token)
     assert all(torch.equal(grouped.stats[k], today.stats[k]) for k in today.stats)
     assert torch.equal(grouped_grad, today_grad)
+
+
+@pytest.mark.parametrize("kind", ["del", "dist2"])
+def test_grouped_machinery_at_m1_on_the_shard_ops_is_bit_for_bit(kind, group, monkeypatch):
+    """The same forced-grouped check through the vocabulary-parallel and the fused op (one
+    rank): loss, per-token losses, statistics and gradients equal bit for bit."""
+    from del_megatron.losses import vocab_parallel_numeric_loss
+    from del_megatron.losses.fused import vocab_parallel_fused_numeric_loss
+
+    cfg = NumericLossConfig(kind=kind)
+    labels, mask = make_batch(2, 24, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    hidden = torch.randn(24, 2, 16, generator=gen)
+    weight = torch.randn(48, 16, generator=gen)
+
+    def run():
+        shard = (hidden @ weight.T).requires_grad_()
+        unfused = vocab_parallel_numeric_loss(shard, labels, make_vocab(), cfg, mask, group)
+        unfused.loss.backward()
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        fused = vocab_parallel_fused_numeric_loss(
+            h, w, labels, make_vocab(), cfg, mask, group, chunk_tokens=7, recompute=True
+        )
+        fused.loss.backward()
+        outputs = [unfused.loss, unfused.per_token, shard.grad, fused.loss, fused.per_token]
+        return [*outputs, h.grad, w.grad]
+
+    today = run()
+    monkeypatch.setattr(DigitVocab, "grouped", property(lambda self: True))
+    grouped = run()
+    assert all(torch.equal(a, b) for a, b in zip(grouped, today, strict=True))
