@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..losses.groups import grouped_places, slot_offset
+from ..losses.groups import SlotSets, grouped_places, slot_class_logits, slot_offset
 from ..losses.places import digit_places, number_runs
 from ..losses.vocab import NOT_A_CLASS, POINT_CLASS, DigitVocab
 
@@ -27,7 +27,7 @@ MAX_PLACE = 12  # integer places 0..MAX_PLACE-1 and decimal places 1..MAX_PLACE 
 
 def _class_logits(logits: torch.Tensor, vocab: DigitVocab) -> torch.Tensor:
     """[n, V] -> [n, 10] digit-class logits (members merged by log-sum-exp); grouped
-    vocabularies: [n, S] logits of the (k, slot, digit) sets."""
+    vocabularies: [n, U] logits of the number tokens (`DigitVocab.class_members`)."""
     ids, valid = vocab.class_members(10, logits.device)
     member = logits[:, ids]  # [n, 10, M]
     member = member.masked_fill(~valid, float("-inf"))
@@ -66,7 +66,7 @@ def _digit_rows(
     vocab_size = flat.shape[-1]
     safe = labels.clamp(0, vocab_size - 1)
     table = vocab.class_table(vocab_size, flat.device)
-    set_logits = _class_logits(flat, vocab)  # [N, 10] or, grouped, [N, S]
+    set_logits = _class_logits(flat, vocab)  # [N, 10] or, grouped, [N, U] number tokens
     rows = torch.arange(labels.numel(), device=flat.device)
     if not vocab.grouped:
         classes = torch.where(mask, table[labels.clamp(0, table.numel() - 1)], NOT_A_CLASS)
@@ -83,9 +83,10 @@ def _digit_rows(
     place, is_slot = grouped_places(classes, count, m)  # [b, s, m]
     numbers = _number_ids(classes, number_runs(classes).decimal_point)
     slot = torch.arange(m, device=flat.device)
-    offset = slot_offset(count.unsqueeze(-1), slot).view(-1, m)  # [N, m], in range for all
-    columns = offset.unsqueeze(-1) + torch.arange(10, device=flat.device)  # [N, m, 10]
-    class_logits = set_logits.gather(1, columns.view(-1, m * 10)).view(-1, 10)
+    offset = slot_offset(count.unsqueeze(-1), slot).flatten()  # [N * m], in range for all
+    token = rows.repeat_interleave(m)
+    slots = SlotSets(offset, *vocab.slot_sets(flat.device))
+    class_logits = slot_class_logits(set_logits.index_select(0, token), slots)  # [N * m, 10]
     is_digit = is_slot.flatten()
     return _DigitRows(
         is_digit,
@@ -93,7 +94,7 @@ def _digit_rows(
         place.flatten(),
         torch.where(is_slot, numbers.unsqueeze(-1), 0).flatten(),
         class_logits,
-        rows.repeat_interleave(m),
+        token,
     )
 
 

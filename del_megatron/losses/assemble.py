@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from .config import NumericLossConfig
-from .groups import grouped_targets, slot_class_logits
+from .groups import SlotSets, grouped_targets, slot_class_logits
 from .kinds import Objective, numeric_term
 from .places import digit_places, place_weights
 from .terms import digit_entropy
@@ -71,9 +71,9 @@ class Targets:
     rows: torch.Tensor  # [n] long, rows of the digit positions
     classes: torch.Tensor  # [n] long, their target class
     weights: torch.Tensor  # [n] place weights u (ones when place weighting is off)
-    # grouped digits (losses/groups.py): rows repeat per digit slot, and each slot's first
-    # column among the set logits; None for single-digit vocabularies
-    slot_offset: torch.Tensor | None = None
+    # grouped digits (losses/groups.py): rows repeat per digit slot, and which sets each
+    # slot's ten class logits are made of; None for single-digit vocabularies
+    slots: SlotSets | None = None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -157,11 +157,11 @@ def assemble(
     """Combine the parts into the loss of cfg.kind.
 
     ce_per_token: [N] CE of every row (any value where not valid); class_logits: [n, K] of
-    the digit positions (grouped digits: [n, S] set logits of each digit slot's token);
+    the digit positions (grouped digits: [n, U] number-token logits of each slot's token);
     target_is_max: [n] bool; emo_cost: [N] EMO transport cost (emo only).
     """
     dtype = ce_per_token.dtype
-    class_logits = slot_class_logits(class_logits, targets.slot_offset)
+    class_logits = slot_class_logits(class_logits, targets.slots)
     valid = targets.valid.to(dtype)
     num_tokens = valid.sum()
     token_denominator = num_tokens.clamp_min(1)

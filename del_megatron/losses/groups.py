@@ -15,6 +15,8 @@ are those of single-digit tokens, value for value (tests/losses/test_groups.py).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .config import NumericLossConfig
@@ -66,7 +68,7 @@ def grouped_targets(
 ):
     """`Targets` with one row per digit slot: valid, safe [..., s] (as `prepare_targets`
     makes them). rows [n] repeat a token's row once per digit (n counts digits, not tokens);
-    classes [n] the slot's digit; weights [n] u(place); slot_offset [n] its first column."""
+    classes [n] the slot's digit; weights [n] u(place); slots: its sets (`SlotSets`)."""
     from .assemble import Targets  # assemble dispatches here: imported late
 
     if cfg.include_decimal_point:
@@ -90,17 +92,50 @@ def grouped_targets(
         rows=rows,
         classes=digit_table[safe].flatten()[index],
         weights=weights.flatten()[index].to(dtype),
-        slot_offset=slot_offset(count.flatten()[rows], index % m),
+        slots=SlotSets(
+            slot_offset(count.flatten()[rows], index % m), *vocab.slot_sets(safe.device)
+        ),
     )
 
 
-def slot_class_logits(class_logits: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-    """The ten class logits of each digit slot [n, 10] out of the set logits [n, S] of its
-    token (`offset` [n] from `grouped_targets`); None (single-digit vocabularies): as given."""
-    if offset is None:
+class SlotSets(NamedTuple):
+    """Which set logits each digit slot row needs: offset [n] (its first set among the S),
+    and the sets' members as positions among the number tokens, members [S, W] long with
+    valid [S, W] bool (`DigitVocab.slot_sets`)."""
+
+    offset: torch.Tensor
+    members: torch.Tensor
+    valid: torch.Tensor
+
+
+class _SetLogSumExp(torch.autograd.Function):
+    """members [n, 10, W] (padding masked by valid) -> their log-sum-exp [n, 10]; the gradient
+    spread by each member's share, as the ops spread a digit class's (so a single-digit
+    vocabulary forced through here gives their numbers bit for bit)."""
+
+    @staticmethod
+    def forward(ctx, members, valid):
+        members = members.masked_fill(~valid, float("-inf"))
+        ctx.save_for_backward(torch.softmax(members, dim=-1))
+        return torch.logsumexp(members, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (share,) = ctx.saved_tensors
+        return grad.unsqueeze(-1) * share, None
+
+
+def slot_class_logits(class_logits: torch.Tensor, slots: SlotSets | None) -> torch.Tensor:
+    """The ten class logits of each digit slot [n, 10], from the raw logits of the number
+    tokens at its position [n, U] (the ops' class logits for a grouped vocabulary): the
+    log-sum-exp of each (k, j, d) set. None (single-digit vocabularies): as given."""
+    if slots is None:
         return class_logits
-    columns = offset.unsqueeze(1) + torch.arange(10, device=offset.device)
-    return class_logits.gather(1, columns)
+    sets = slots.offset.unsqueeze(1) + torch.arange(10, device=slots.offset.device)  # [n, 10]
+    members, valid = slots.members[sets], slots.valid[sets]  # [n, 10, W]
+    rows = class_logits.shape[0]
+    gathered = class_logits.gather(1, members.view(rows, -1)).view(members.shape)
+    return _SetLogSumExp.apply(gathered, valid)
 
 
 def target_is_max_of_rows(

@@ -82,7 +82,7 @@ def numeric_loss(
         flat, targets.safe_labels, member_ids, member_valid, vocab_size
     )
     with torch.no_grad():
-        if targets.slot_offset is not None:  # grouped digits: rows repeat per digit slot
+        if targets.slots is not None:  # grouped digits: rows repeat per digit slot
             target_is_max = target_is_max_of_rows(
                 flat[:, :vocab_size], targets.safe_labels, targets.rows
             )

@@ -292,6 +292,24 @@ class DigitVocab:
                     )
         return sets
 
+    @cached_property
+    def number_ids(self) -> tuple[int, ...]:
+        """Every number token's id, each once (U = 10 + .. single digits and multi-digit)."""
+        return tuple(sorted({i for ids in (*self.digit_ids, *self.numbers.values()) for i in ids}))
+
+    def slot_sets(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (k, j, d) sets of `group_sets` as positions in `number_ids`, padded:
+        members [S, W] long and valid [S, W] bool (padding repeats a set's first member)."""
+        key = ("sets", device)
+        if key not in self._device_cache:
+            position = {i: n for n, i in enumerate(self.number_ids)}
+            sets = [[position[i] for i in c] for c in self.group_sets()]
+            width = max(len(c) for c in sets)
+            members = torch.tensor([c + [c[0]] * (width - len(c)) for c in sets])
+            valid = torch.tensor([[j < len(c) for j in range(width)] for c in sets])
+            self._device_cache[key] = (members.to(device), valid.to(device))
+        return self._device_cache[key]
+
     def number_table(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token id: its number of digits [size] long (0: not a number token) and its
         digits [size, m] long (0 past its length)."""
@@ -335,21 +353,23 @@ class DigitVocab:
         """Member ids of each class, padded: ids [K, M] long and valid [K, M] bool.
 
         Padding repeats the class's first id with valid=False, so scatters stay in range.
-        For a grouped vocabulary the "classes" are the 10*(1+2+..+m) sets of `group_sets`
-        (the ops need not know: they form a log-sum-exp per row of this table).
+        For a grouped vocabulary each number token is a class of its own (`number_ids`,
+        [U, 1]): the ops hand over its raw logit, exact on every rank and each token once
+        (1110 for Llama-3, not the 6000 entries of the 60 digit-slot sets), and the sets'
+        log-sum-exps are formed from them at the digit slots only (`groups.slot_class_logits`).
         """
-        if num_classes == 11 and not self.point_ids:
-            raise TokenizerError("include_decimal_point=True but the tokenizer has no '.' token")
         if num_classes == 11 and self.grouped:
             raise TokenizerError(
                 "include_decimal_point=True needs a tokenizer with one token per digit: with "
                 f"number tokens of up to {self.max_digits} digits '.' is no eleventh class of a "
                 "digit slot; set include_decimal_point=false"
             )
+        if num_classes == 11 and not self.point_ids:
+            raise TokenizerError("include_decimal_point=True but the tokenizer has no '.' token")
         key = ("members", num_classes, device)
         if key not in self._device_cache:
             classes = (
-                self.group_sets()
+                [(i,) for i in self.number_ids]
                 if self.grouped
                 else [*self.digit_ids, self.point_ids][:num_classes]
             )

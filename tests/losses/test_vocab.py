@@ -148,11 +148,13 @@ def test_llama3_pattern_bpe_is_grouped_with_every_string(synth_llama3_tokenizer)
     assert "up to m=3" in vocab.describe() and "1100 of 1100" in vocab.describe()
     assert vocab.numbers["123"] == (tok.token_to_id("123"),)
     assert vocab.digit_ids[7] == (tok.token_to_id("7"),)
-    ids, valid = vocab.class_members(10, torch.device("cpu"))
-    assert ids.shape[0] == 10 * (1 + 2 + 3) and int(valid.sum()) == 10 + 2 * 100 + 3 * 1000
+    ids, valid = vocab.class_members(10, torch.device("cpu"))  # each number token, once
+    assert ids.shape == (1110, 1) and bool(valid.all()) and len(set(ids.flatten().tolist())) == 1110
+    members, valid = vocab.slot_sets(torch.device("cpu"))
+    assert members.shape[0] == 10 * (1 + 2 + 3) and int(valid.sum()) == 10 + 2 * 100 + 3 * 1000
     # the set (k=3, slot 1, digit 2): the hundred 3-digit tokens with a '2' in the middle
     row = 10 * (3 + 1) + 2
-    members = {tok.id_to_token(int(i)) for i in ids[row][valid[row]]}
+    members = {tok.id_to_token(vocab.number_ids[int(i)]) for i in members[row][valid[row]]}
     assert members == {f"{a}2{b}" for a in range(10) for b in range(10)}
     count, digits = vocab.number_table(vocab.vocab_size, torch.device("cpu"))
     assert count[tok.token_to_id("045")] == 3 and digits[tok.token_to_id("045")].tolist() == [
