@@ -19,6 +19,7 @@ from .assemble import (
 from .config import NumericLossConfig
 from .groups import target_is_max_of_rows
 from .vocab import DigitVocab
+from .vocab_parallel import class_log_sum_exp
 
 
 class _CrossEntropyAndClassLogits(torch.autograd.Function):
@@ -32,9 +33,10 @@ class _CrossEntropyAndClassLogits(torch.autograd.Function):
         ce = -log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
         num_classes, width = member_ids.shape
         members = z.index_select(1, member_ids.flatten()).to(dtype)
-        members = members.view(-1, num_classes, width).masked_fill(~member_valid, float("-inf"))
-        class_logits = torch.logsumexp(members, dim=-1)  # [N, K]
-        member_share = torch.softmax(members, dim=-1)  # d class_logit / d member logit
+        # [N, K] class logits, and d class_logit / d member logit
+        class_logits, member_share = class_log_sum_exp(
+            members.view(-1, num_classes, width), member_valid
+        )
         ctx.save_for_backward(log_probs, target, member_ids, member_share)
         ctx.logits_meta = (logits.shape, logits.dtype)
         return ce, class_logits
