@@ -3,14 +3,14 @@
 G_k is the set of number tokens of exactly k digits. At a position whose target is a k-digit
 number token d_0 .. d_{k-1}, digit slot j has the class logits
 z_d = logsumexp{ z_c : c in G_k, c[j] = d } (d = 0..9): the model's marginal of digit j
-among k-digit number tokens. Each (k, j, d) set is one row of the vocabulary's member table
-(`DigitVocab.group_sets`), so the ops (reference, vocabulary-parallel, fused) form its class
-logit exactly as they form a digit class's, with no change: class logits [N, S],
-S = 10 * (1 + 2 + .. + m). This module turns the targets into one row per digit slot (the
-token's row, the slot's digit, the place weight of that digit in the whole number) and picks
-each slot's ten columns out of the S; `assemble` then runs every digit term on [slots, 10]
-as it runs them on [digit positions, 10]. With m = 1 the rows, classes, weights and columns
-are those of single-digit tokens, value for value (tests/losses/test_groups.py).
+among k-digit number tokens. The ops (reference, vocabulary-parallel, fused) see each number
+token as a class of its own (`DigitVocab.class_members`) and hand over its exact raw logit,
+[N, U]; this module turns the targets into one row per digit slot (the token's row, the
+slot's digit, the place weight of that digit in the whole number) and forms each slot's ten
+set log-sum-exps from its token's U logits (`slot_class_logits`, the (k, j, d) sets of
+`DigitVocab.slot_sets`, S = 10 * (1 + 2 + .. + m) of them); `assemble` then runs every digit
+term on [slots, 10] as it runs them on [digit positions, 10]. A single-digit vocabulary
+forced through here gives the single-digit numbers bit for bit (tests/losses/test_groups.py).
 """
 
 from __future__ import annotations
