@@ -10,7 +10,9 @@ the running sum at every micro-batch: 0.85%. The bound, 0.4%, lies between.
 
 The fused output layer + loss hands DeepSpeed a bf16 weight gradient through the same
 accumulation (ZeRO 1: DeepSpeed's BF16_Optimizer, which moves each micro-batch's `.grad` into
-its float32 sum): it follows the unfused op within the same bound."""
+its float32 sum and zeroes the held `.grad`: the fused op's held-`.grad` path): it follows the
+unfused op within the same bound. The layout-free checkpoint state reads and writes that
+optimizer too."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from del_megatron.config import deepspeed_config, parse_run_config
 from del_megatron.losses import numeric_loss, vocab_parallel_numeric_loss
 from del_megatron.losses.fused import vocab_parallel_fused_numeric_loss
 from del_megatron.models.device import select_accelerator
+from del_megatron.training import layout_free
 
 MICRO_BATCHES = 64
 BOUND = 4e-3  # relative norm error of the step's summed gradient
@@ -52,17 +55,24 @@ def run_config(zero: int, micro_batches: int):
     )
 
 
-def summed_gradient(model: torch.nn.Module, inputs: list, zero: int) -> torch.Tensor:
-    """The float32 gradient of model.weight DeepSpeed holds after the micro-batches of one
-    step (each input a micro-batch), under the generated bf16 config at `zero`."""
+def bf16_engine(model: torch.nn.Module, zero: int, micro_batches: int):
+    """A DeepSpeed engine of `model` under the config generated for a bf16 (GPU) run."""
     select_accelerator(torch.device("cpu"))
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad
 
-    config = deepspeed_config(run_config(zero, len(inputs)), 1, gpu=True)
+    config = deepspeed_config(run_config(zero, micro_batches), 1, gpu=True)
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=list(model.parameters()), config=config
     )
+    return engine
+
+
+def summed_gradient(model: torch.nn.Module, inputs: list, zero: int) -> torch.Tensor:
+    """The float32 gradient of model.weight DeepSpeed holds after the micro-batches of one
+    step (each input a micro-batch), under the generated bf16 config at `zero`."""
+    from deepspeed.utils import safe_get_full_grad
+
+    engine = bf16_engine(model, zero, len(inputs))
     try:
         for index, batch in enumerate(inputs):
             engine.backward(engine(*batch))
@@ -166,3 +176,33 @@ def test_fused_weight_gradient_under_deepspeeds_bf16_optimizer(one_rank):
         error = relative_error(grad, reference.grad)
         assert error < BOUND, f"fused={fused}: {error:.2e} from float64's"
     assert relative_error(grads[True], grads[False].double()) < BOUND
+
+
+def test_layout_free_state_of_deepspeeds_bf16_optimizer_round_trips(one_rank, tmp_path):
+    """The layout-free checkpoint state (training/layout_free.py) reads and writes the
+    BF16_Optimizer that ZeRO 1 becomes with float32 sums: fp32 masters and both Adam moments
+    saved from one engine load bit for bit into a fresh one, whose bf16 weights follow."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(4, 16, 64, generator=gen).bfloat16(), torch.randn(4, 16, 32).bfloat16()
+    engines = [bf16_engine(Regression(torch.randn(32, 64, generator=gen)), 1, 2) for _ in "ab"]
+    try:
+        saved, fresh = engines
+        assert type(saved.optimizer).__name__ == "BF16_Optimizer"
+        for batch in range(4):
+            saved.backward(saved(x[batch], y[batch]))
+            saved.step()
+        where = dict(tp_rank=0, tp_size=1)
+        layout_free.save(saved.module, saved.optimizer, tmp_path, **where, dp_rank=0, dp_size=1,
+                         extra={})  # fmt: skip
+        layout_free.load(fresh.module, fresh.optimizer, tmp_path, **where)
+        want, got = saved.module.weight, fresh.module.weight
+        assert torch.equal(safe_get_full_fp32_param(got), safe_get_full_fp32_param(want))
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = safe_get_full_optimizer_state(got, key)
+            assert torch.equal(state, safe_get_full_optimizer_state(want, key)), key
+        assert torch.equal(got, safe_get_full_fp32_param(want).bfloat16())
+    finally:
+        for engine in engines:
+            engine.destroy()
