@@ -39,6 +39,12 @@ class ParallelConfig(_Section):
     zero_stage: Literal[1, 2, 3] = 1
     """DeepSpeed ZeRO stage across data-parallel ranks (its optimizers skip steps with
     non-finite gradients; stage 0's plain optimizer would apply them)."""
+    collective_timeout_minutes: int = Field(default=60, gt=0)
+    """How long a rank waits in a collective before the run fails: the timeout of the
+    process group and of megatron-core's groups. While data-parallel rank 0 of a 7B run
+    writes a checkpoint (DeepSpeed's state, the weights, the layout-free state: up to about
+    100 GB from one node) the other ranks wait in the next collective; DeepSpeed's default,
+    10 minutes, fails below 170 MB/s, 60 minutes below 28 MB/s."""
     sequence_parallel: bool = False
     """Not supported with DeepSpeed (it does not all-reduce layer-norm gradients across
     tensor-parallel ranks): refused."""

@@ -28,6 +28,7 @@ from ..models.device import (
 from . import progress
 from .initial_weights import initialize_weights
 from .metrics import PairSum, Reporter, StepMetrics, means
+from .plan import flops_per_token
 from .schedule import lr_factor
 from .signals import StopRequest, agree
 
@@ -86,10 +87,11 @@ def setup(cfg: RunConfig) -> Run:
     from ..parallel import MegatronMPU, init_distributed, init_model_parallel
     from ..tokenizer import Tokenizer
 
-    rank, world = init_distributed(device)
+    timeout = cfg.parallel.collective_timeout_minutes
+    rank, world = init_distributed(device, timeout)
     dp_size = cfg.data_parallel_size(world)
     accumulation = cfg.accumulation_steps(world)
-    init_model_parallel(cfg.parallel.tensor_parallel)
+    init_model_parallel(cfg.parallel.tensor_parallel, timeout)
     torch.manual_seed(cfg.train.seed)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
@@ -127,9 +129,7 @@ def setup(cfg: RunConfig) -> Run:
         mpu=MegatronMPU(),
         lr_scheduler=scheduler,
     )
-    params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tensor_parallel
-    arch = cfg.model
-    flops = 6 * params + 12 * arch.num_layers * arch.hidden_size * cfg.train.seq_len
+    flops = flops_per_token(cfg.model, cfg.parallel.tensor_parallel, cfg.train.seq_len)
     return Run(
         cfg=cfg,
         device=device,
