@@ -41,10 +41,10 @@ class ParallelConfig(_Section):
     non-finite gradients; stage 0's plain optimizer would apply them)."""
     collective_timeout_minutes: int = Field(default=60, gt=0)
     """How long a rank waits in a collective before the run fails: the timeout of the
-    process group and of megatron-core's groups. While data-parallel rank 0 of a 7B run
-    writes a checkpoint (DeepSpeed's state, the weights, the layout-free state: up to about
-    100 GB from one node) the other ranks wait in the next collective; DeepSpeed's default,
-    10 minutes, fails below 170 MB/s, 60 minutes below 28 MB/s."""
+    process group and of megatron-core's groups. While some ranks write a checkpoint the
+    others wait in the next collective: at 7B a checkpoint is up to 189 GB
+    (docs/checkpoints.md), which one node writes within DeepSpeed's default of 10 minutes
+    only above 315 MB/s; within 60 minutes above 53 MB/s."""
     sequence_parallel: bool = False
     """Not supported with DeepSpeed (it does not all-reduce layer-norm gradients across
     tensor-parallel ranks): refused."""
