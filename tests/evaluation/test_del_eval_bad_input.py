@@ -179,3 +179,43 @@ def test_heldout_metrics_of_a_hugging_face_model(capsys, tiny_models, synth_shar
     assert numeric["seq_len"] == 64 and numeric["batches"] == 2
     assert numeric["tokens"] == 2 * 2 * 64 and numeric["digits"] > 0
     assert 0 < numeric["loss"] < 20 and "| windows (tokens) | 64 |" in capsys.readouterr().out
+
+
+def test_a_step_that_does_not_exist_is_named_with_the_steps_that_do(capsys, tmp_path):
+    """Issue 27: it was 'neither a del-megatron checkpoint nor a Hugging Face model'."""
+    root = tmp_path / "run" / "checkpoints"
+    for step in (100, 200):
+        (root / f"step-{step:07d}").mkdir(parents=True)
+        (root / f"step-{step:07d}" / "meta.json").write_text("{}")
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    missing = root / "step-0000300"
+    line = fails(capsys, missing, "--gsm8k", one, "--shots", "0")
+    assert line == (
+        f"del-eval: error: {missing}: does not exist ({root} holds step-0000100, step-0000200)"
+    )
+    line = fails(capsys, tmp_path / "x", "--gsm8k", one, "--shots", "0")
+    assert line == f"del-eval: error: {tmp_path / 'x'}: does not exist"
+
+
+def test_problems_must_state_their_final_answer(capsys, tmp_path):
+    """Issue 27: an answer without '#### N' was taken whole as the gold answer."""
+    from del_megatron.evaluation.generation import gold_of
+
+    assert gold_of("She has 3 + 15 = 18 eggs.\nThe answer is 18.") == "18"
+    assert gold_of("42") == "42"  # the synthetic corpus's held-out answers
+    assert gold_of("She has 18 eggs.") is None
+    bad = tmp_path / "problems.jsonl"
+    bad.write_text(
+        '{"question": "1+1?", "answer": "#### 2"}\n'
+        '{"question": "eggs?", "answer": "She has 3 + 15 = 18 eggs."}\n'
+    )
+    line = fails(capsys, NO_MODEL, "--gsm8k", bad, "--shots", "0")
+    assert f"{bad} line 2: the answer states no final answer: end it with '#### N'" in line
+
+
+def test_a_corpus_given_as_heldout_names_the_build(capsys, tmp_path):
+    corpus = tmp_path / "test.jsonl"
+    corpus.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    line = fails(capsys, NO_MODEL, "--heldout", corpus)
+    assert "not a shard manifest" in line and "`data-tools build FILE -o DIR" in line
