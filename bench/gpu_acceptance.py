@@ -13,6 +13,7 @@ wiring, not the figures); --plan: the checks and their estimates on one H200. Th
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -424,10 +425,13 @@ def check_bench_fused(c: Check) -> None:
 
 
 def check_bench_train_step(c: Check) -> None:
-    pattern = rf"^(mle|del) +{NUMBER} +{NUMBER}x +{NUMBER} +{NUMBER} +{NUMBER}\s*$"
+    pattern = rf"^(mle|del) +{NUMBER} +{NUMBER}x +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER}\s*$"
     rows = {kind: [float(v) for v in values] for kind, *values in bench(c, "step", pattern)}
-    if set(rows) != {"mle", "del"}:  # each: step ms, ratio, tokens/s, TFLOP/s, MFU
+    if set(rows) != {"mle", "del"}:  # each: step ms, ratio, tokens/s, TFLOP/s, MFU, numeric
         raise Failed("bench/train_step.py printed no 'mle' and 'del' rows")
+    if not (math.isnan(rows["mle"][5]) and rows["del"][5] > 0):  # MLE has no numeric term
+        raise Failed(f"bench/train_step.py: numeric term {rows['mle'][5]} (mle), "
+                     f"{rows['del'][5]} (del): the two variants ran the same loss")
     c.below("del_over_mle", rows["del"][0] / rows["mle"][0], "del_over_mle")
     c.within("tokens_per_s_del", rows["del"][2], lo=1)
     if c.mode.bounds["mfu"] is not None:

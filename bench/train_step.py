@@ -3,9 +3,12 @@
     torchrun --nproc_per_node=2 bench/train_step.py              # tiny CPU model, TP 2
     python bench/train_step.py --gpu-7b                          # 4-layer Llama-2-7B widths, GPU
 
-One engine, one model; the loss kind is switched between alternating steps (the hook reads
-model.loss_config at every call), so everything else is identical. Prints the median step
-time of each and the ratio, tokens/s; on GPU also TFLOP/s per GPU and MFU.
+One engine, one model; the loss kind is switched between alternating steps by handing the
+model the loss head of that kind (`NumericLossGPTModel.head`, which its forward calls; the
+MLE and DEL heads hold no parameters or buffers, so the engine sees the same model), so
+everything else is identical. Prints the median step time of each and the ratio, tokens/s,
+the numeric term each kind's steps reported (nan for MLE, which has none: the check that the
+variants really differ); on GPU also TFLOP/s per GPU and MFU.
 """
 
 from __future__ import annotations
@@ -80,44 +83,55 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-7b", action="store_true")
     parser.add_argument("--steps", type=int, default=12, help="timed steps of each kind")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps first")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a digit-splitting tokenizer to use (default: one trained here on a synthetic corpus)",
+    )
     args = parser.parse_args()
 
-    from del_megatron.losses import NumericLossConfig
+    from del_megatron.losses import NumericLossConfig, NumericLossHead
     from del_megatron.models.device import synchronize
     from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
     root = Path(tempfile.mkdtemp(prefix="del-bench-step-"))
-    cfg = run_config(tokenizer_path(root), args.gpu_7b)
+    cfg = run_config(args.tokenizer or tokenizer_path(root), args.gpu_7b)
     run = setup(cfg)
     digits = torch.tensor([ids[0] for ids in run.tokenizer.digit_vocab.digit_ids])
     gen = torch.Generator().manual_seed(0)
     b, s = cfg.train.micro_batch_size, cfg.train.seq_len
 
     def batch(step: int, micro: int):
-        window = torch.randint(3, 900, (b, s + 1), generator=gen)
+        window = torch.randint(3, run.tokenizer.vocab_size, (b, s + 1), generator=gen)
         is_digit = torch.rand(window.shape, generator=gen) < 0.15
         window = torch.where(
             is_digit, digits[torch.randint(10, window.shape, generator=gen)], window
         )
         return {"tokens": window[:, :-1], "labels": window[:, 1:], "loss_mask": torch.ones(b, s)}
 
-    kinds = {"mle": NumericLossConfig(kind="mle"), "del": NumericLossConfig(kind="del")}
     model = run.engine.module
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    rates: dict[str, list[float]] = {k: [] for k in kinds}
-    tflops: dict[str, list[float]] = {k: [] for k in kinds}
-    for i in range(2 * (args.steps + 2)):
+    heads = {
+        kind: NumericLossHead(run.tokenizer.digit_vocab, NumericLossConfig(kind=kind))
+        for kind in ("mle", "del")
+    }
+    times: dict[str, list[float]] = {k: [] for k in heads}
+    rates: dict[str, list[float]] = {k: [] for k in heads}
+    tflops: dict[str, list[float]] = {k: [] for k in heads}
+    numeric: dict[str, list[float]] = {k: [] for k in heads}
+    for i in range(args.warmup + 2 * args.steps):
         kind = ("del", "mle")[(i + i // 2) % 2]  # ABBA order: no kind always goes first
-        model.loss_config = kinds[kind]
+        model.head = heads[kind]
         synchronize(run.device)
         start = time.perf_counter()
         # the step ends with the ranks' agreement, a host synchronisation: its time is the
         # device's; MFU from that time as the trainer reports it
         outcome = train_step(run, next_micro_batches(run, batch, i), i + 1)
-        if i >= 4:  # warm-up
+        if i >= args.warmup:
             times[kind].append(time.perf_counter() - start)
             rates[kind].append(outcome.metrics.host.get("mfu", float("nan")))
             tflops[kind].append(outcome.metrics.host.get("tflops", float("nan")))
+            numeric[kind].append(outcome.metrics.values()["numeric"])  # after the timing
     if run.is_main:
         base = statistics.median(times["mle"])
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
@@ -127,7 +141,7 @@ def main() -> None:
         )
         print(
             f"{'kind':6s} {'step ms':>9s} {'ratio':>7s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
-            f"{'MFU':>6s}"
+            f"{'MFU':>6s} {'numeric':>8s}"
         )
         for kind in ("mle", "del"):
             median = statistics.median(times[kind])
@@ -135,7 +149,7 @@ def main() -> None:
             flops = statistics.median(tflops[kind])  # per GPU, as the trainer counts them
             print(
                 f"{kind:6s} {median * 1e3:9.1f} {median / base:6.3f}x {tokens / median:10.0f} "
-                f"{flops:8.1f} {mfu:6.3f}"
+                f"{flops:8.1f} {mfu:6.3f} {statistics.fmean(numeric[kind]):8.4f}"
             )
 
 

@@ -10,10 +10,16 @@ and a synchronisation the step does not need.
 
 Every function takes the group explicitly (None: the default world group) and calls
 `check_device` first; tests wrap that one function to watch every collective.
+
+A one-process group skips the call (nothing to communicate), so a run on one GPU would hand
+NCCL none of our tensors. `DEL_COLLECTIVES_ON_ONE_RANK=1` in the environment issues every
+call on one-process groups too: the GPU acceptance run on one GPU sets it, so NCCL sees the
+device, dtype and shape of each tensor we reduce.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -53,8 +59,15 @@ def check_device(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: st
         )
 
 
+ON_ONE_RANK = "DEL_COLLECTIVES_ON_ONE_RANK"
+"""The switch (environment variable, '1': on) that issues collectives on one-process groups."""
+
+
 def _alone(group: dist.ProcessGroup | None) -> bool:
-    return not dist.is_initialized() or dist.get_world_size(group) == 1
+    """Whether to skip the call: no process group, or one process without the switch."""
+    if not dist.is_initialized():
+        return True
+    return dist.get_world_size(group) == 1 and os.environ.get(ON_ONE_RANK) != "1"
 
 
 def all_reduce(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,9 +36,10 @@ def rank_environment() -> None:
         )
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
-    """(rank, world size) after joining the process group (see `rank_environment`); alone,
-    one process."""
+def init_distributed(device: torch.device, timeout_minutes: int) -> tuple[int, int]:
+    """(rank, world size) after joining the process group (see `rank_environment`), whose
+    collectives wait `timeout_minutes` (parallel.collective_timeout_minutes); alone, one
+    process."""
     rank_environment()
     if "RANK" not in os.environ:
         with socket.socket() as s:
@@ -55,14 +57,22 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
         with quiet_communication_setup(device):
             # one backend per run, and every tensor we reduce on the compute device
             # (del_megatron/collectives.py; docs/architecture.md "GPU path")
-            deepspeed.init_distributed(dist_backend=process_group_backend(device), verbose=False)
+            deepspeed.init_distributed(
+                dist_backend=process_group_backend(device),
+                verbose=False,
+                timeout=timedelta(minutes=timeout_minutes),
+            )
     return dist.get_rank(), dist.get_world_size()
 
 
-def init_model_parallel(tensor_parallel: int) -> None:
+def init_model_parallel(tensor_parallel: int, timeout_minutes: int) -> None:
+    """megatron-core's groups, their collectives waiting `timeout_minutes` as the process
+    group's (megatron's own default is 30)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, distributed_timeout_minutes=timeout_minutes
+    )
 
 
 class MegatronMPU:

@@ -149,3 +149,17 @@ def gsm8k_train() -> Path:
     if not path.is_file():
         pytest.skip("../shared/data/gsm8k is not present")
     return path
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-process gloo group (the loss ops take a tensor-parallel group; DeepSpeed's engine
+    joins the default group)."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if started:
+        dist.destroy_process_group()

@@ -113,3 +113,41 @@ def test_alone_the_collectives_are_identities():
     assert collectives.all_gather(t) == [t]
     assert collectives.all_gather_object({"a": 1}) == [{"a": 1}]
     collectives.barrier()
+
+
+def test_the_switch_issues_every_collective_on_a_one_rank_group(group, monkeypatch):
+    """DEL_COLLECTIVES_ON_ONE_RANK=1 (what the one-GPU acceptance run sets): our collectives
+    call torch.distributed on a one-process group too, with the same results; the loss op's
+    two all-reduces included. Without it, none is called."""
+    from del_megatron import DigitVocab, NumericLossConfig
+    from del_megatron.losses import vocab_parallel_numeric_loss
+
+    calls = []
+    for name in ("all_reduce", "all_gather", "all_gather_object", "barrier"):
+        original = getattr(dist, name)
+
+        def counted(*args, name=name, original=original, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, counted)
+    vocab = DigitVocab(digit_ids=list(range(10, 20)), point_ids=[5], vocab_size=32)
+    logits = torch.randn(4, 1, 32, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[11, 3, 12, 5]])
+
+    def issue() -> float:
+        t = torch.arange(3.0)
+        assert collectives.all_reduce(t, group=group) is t and t.tolist() == [0.0, 1.0, 2.0]
+        assert [p.tolist() for p in collectives.all_gather(t, group=group)] == [t.tolist()]
+        assert collectives.all_gather_object({"a": 1}, group=group) == [{"a": 1}]
+        collectives.barrier(group=group)
+        cfg = NumericLossConfig()
+        return vocab_parallel_numeric_loss(logits, labels, vocab, cfg, group=group).loss.item()
+
+    without = issue()
+    assert calls == []
+    monkeypatch.setenv(collectives.ON_ONE_RANK, "1")
+    assert issue() == without
+    assert (
+        calls == ["all_reduce", "all_gather", "all_gather_object", "barrier"] + ["all_reduce"] * 2
+    )

@@ -63,16 +63,24 @@ REPORT_PAIRS = {
 
 @dataclass(frozen=True)
 class Targets:
-    """What the loss needs to know of the labels, flattened to N = labels.numel() rows."""
+    """What the loss needs to know of the labels, flattened to N = labels.numel() rows.
+
+    Digit positions are a mask over every row, not a list of rows: selecting them would give
+    a tensor whose size depends on the data, which a GPU can only tell the host by waiting
+    for it (`nonzero`), once per micro-batch. The digit terms run on every row's [N, K] class
+    logits instead, weighted by 0 off the digit positions (K is 10 or 11: small)."""
 
     shape: torch.Size  # labels' shape
     valid: torch.Tensor  # [N] bool
     safe_labels: torch.Tensor  # [N] long, 0 where not valid (always a legal index)
-    rows: torch.Tensor  # [n] long, rows of the digit positions
-    classes: torch.Tensor  # [n] long, their target class
-    weights: torch.Tensor  # [n] place weights u (ones when place weighting is off)
-    # grouped digits (losses/groups.py): rows repeat per digit slot, and which sets each
-    # slot's ten class logits are made of; None for single-digit vocabularies
+    numeric: torch.Tensor  # [R] bool, the digit positions (and counted decimal points)
+    classes: torch.Tensor  # [R] long, their target class, 0 elsewhere (a legal index)
+    weights: torch.Tensor  # [R] place weights u there (ones when place weighting is off), else 0
+    # Single-digit vocabularies: R = N, row r is token r (no selection, so no host wait).
+    # Grouped digits (losses/groups.py): one row per digit slot, R = n digits, `rows` [n] the
+    # token of each (a selection: one host wait per micro-batch for these vocabularies only),
+    # `slots` the sets each slot's ten class logits are made of.
+    rows: torch.Tensor | None = None
     slots: SlotSets | None = None
 
 
@@ -135,14 +143,13 @@ def prepare_targets(
         )
     else:
         weights = torch.ones(classes.shape, dtype=dtype, device=labels.device)
-    rows = numeric.flatten().nonzero().squeeze(1)
     return Targets(
         shape=labels.shape,
         valid=valid.flatten(),
         safe_labels=safe.flatten(),
-        rows=rows,
-        classes=classes.flatten()[rows],
-        weights=weights.flatten()[rows].to(dtype),
+        numeric=numeric.flatten(),
+        classes=torch.where(numeric, classes, 0).flatten(),
+        weights=torch.where(numeric, weights.to(dtype), 0).flatten(),
     )
 
 
@@ -156,11 +163,15 @@ def assemble(
 ) -> NumericLossOutput:
     """Combine the parts into the loss of cfg.kind.
 
-    ce_per_token: [N] CE of every row (any value where not valid); class_logits: [n, K] of
-    the digit positions (grouped digits: [n, U] number-token logits of each slot's token);
-    target_is_max: [n] bool; emo_cost: [N] EMO transport cost (emo only).
+    ce_per_token: [N] CE of every row (any value where not valid); class_logits: [N, K] of
+    every row (any value off the digit positions: never read there, and given no gradient;
+    grouped digits: [N, U] raw logits of the number tokens); target_is_max: [N] bool;
+    emo_cost: [N] EMO transport cost (emo only).
     """
     dtype = ce_per_token.dtype
+    if targets.rows is not None:  # grouped digits: one row per digit slot
+        class_logits = class_logits.index_select(0, targets.rows)
+        target_is_max = target_is_max.index_select(0, targets.rows)
     class_logits = slot_class_logits(class_logits, targets.slots)
     valid = targets.valid.to(dtype)
     num_tokens = valid.sum()
@@ -185,17 +196,24 @@ def assemble(
     base_loss = per_token.sum() / token_denominator
 
     # ---- the digit-level part
-    num_digits = torch.tensor(float(targets.rows.numel()), dtype=dtype, device=valid.device)
+    num_digits = targets.numeric.sum().to(dtype)
     numeric_sum = torch.zeros((), dtype=dtype, device=valid.device)
     alpha = cfg.resolved_alpha
+    digit_rows = targets.numeric.unsqueeze(1)
     if kind.digit_term is not None:
-        weighted = targets.weights * numeric_term(class_logits, targets.classes, cfg)  # [n]
+        # off the digit positions the term reads zeros (finite, whatever the logits there) and
+        # its weight is 0; the where() gives those rows no gradient
+        term = numeric_term(torch.where(digit_rows, class_logits, 0.0), targets.classes, cfg)
+        weighted = targets.weights * term  # [N], 0 off the digit positions
         numeric_sum = weighted.sum()
         numeric_count = num_digits if cfg.normalize == "digits" else num_tokens
         numeric = numeric_sum / numeric_count.clamp_min(1)
         # per_token carries alpha*u*l scaled so that per_token.sum() / tokens == loss.
         scale = alpha * token_denominator / numeric_count.clamp_min(1)
-        per_token = per_token.index_add(0, targets.rows, scale * weighted)
+        if targets.rows is None:
+            per_token = per_token + scale * weighted
+        else:  # a token's digit slots add up on its row
+            per_token = per_token.index_add(0, targets.rows, scale * weighted)
         loss = base_loss + alpha * numeric
     elif kind.objective is Objective.EMO:
         numeric_sum = (emo_cost * valid).sum()
@@ -228,14 +246,17 @@ def assemble(
 def _digit_stats(
     targets: Targets, class_logits: torch.Tensor, target_is_max: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    classes = targets.classes
-    is_value = classes < POINT_CLASS
+    """The digit statistics, every row read, only the digit positions counted."""
+    classes, numeric = targets.classes, targets.numeric
+    class_logits = torch.where(numeric.unsqueeze(1), class_logits, 0.0)
+    is_value = numeric & (classes < POINT_CLASS)
     predicted_digit = class_logits[:, :10].argmax(-1)
     abs_error = (predicted_digit - classes).abs().to(class_logits.dtype)
+    entropy = torch.where(numeric, digit_entropy(class_logits), 0.0)
     return {
-        "digit_correct": target_is_max.sum(),
-        "digit_cond_correct": (class_logits.argmax(-1) == classes).sum(),
-        "digit_entropy_sum": digit_entropy(class_logits).sum(),
+        "digit_correct": (target_is_max & numeric).sum(),
+        "digit_cond_correct": ((class_logits.argmax(-1) == classes) & numeric).sum(),
+        "digit_entropy_sum": entropy.sum(),
         "value_digits": is_value.sum(),
         "digit_abs_error_sum": (abs_error * is_value).sum(),
     }

@@ -41,6 +41,7 @@ from .vocab_parallel import (
     logit_gradient_,
     parts_from_sums,
     prepare_vocab_parallel,
+    to_sb,
 )
 
 
@@ -68,21 +69,14 @@ def token_weights(prepared: Prepared, cfg: NumericLossConfig, dtype: torch.dtype
     """The per-token factors of `assemble`'s per_token (docs/losses.md), rows in [s, b] order.
     Only a prediction: backward checks the incoming gradient against it."""
     targets, seq, batch = prepared.targets, prepared.seq, prepared.batch
-    valid = targets.valid.view(batch, seq).t().reshape(-1).to(dtype)
-    rows_sb = (targets.rows % seq) * batch + targets.rows // seq
-    count = valid.numel()
-    classes = torch.zeros(count, dtype=torch.long, device=valid.device)
-    weight = torch.zeros(count, dtype=dtype, device=valid.device)
-    if cfg.kind_spec.digit_term is not None and rows_sb.numel():
-        tokens = targets.valid.sum().to(dtype)
-        numeric_count = (
-            torch.tensor(float(rows_sb.numel()), dtype=dtype, device=valid.device)
-            if cfg.normalize == "digits"
-            else tokens
-        )
-        scale = cfg.resolved_alpha * tokens.clamp_min(1) / numeric_count.clamp_min(1)
-        classes[rows_sb] = targets.classes
-        weight[rows_sb] = targets.weights.to(dtype) * scale
+    valid = to_sb(targets.valid, seq, batch).to(dtype)
+    classes = to_sb(targets.classes, seq, batch)
+    if cfg.kind_spec.digit_term is None:
+        return TokenWeights(valid, classes, torch.zeros_like(valid))
+    tokens = targets.valid.sum().to(dtype)
+    numeric_count = targets.numeric.sum().to(dtype) if cfg.normalize == "digits" else tokens
+    scale = cfg.resolved_alpha * tokens.clamp_min(1) / numeric_count.clamp_min(1)
+    weight = to_sb(targets.weights, seq, batch).to(dtype) * scale  # 0 off the digit positions
     return TokenWeights(valid, classes, weight)
 
 

@@ -89,9 +89,10 @@ def grouped_targets(
         shape=valid.shape,
         valid=valid.flatten(),
         safe_labels=safe.flatten(),
-        rows=rows,
+        numeric=torch.ones(rows.shape, dtype=torch.bool, device=safe.device),
         classes=digit_table[safe].flatten()[index],
         weights=weights.flatten()[index].to(dtype),
+        rows=rows,
         slots=SlotSets(
             slot_offset(count.flatten()[rows], index % m), *vocab.slot_sets(safe.device)
         ),
@@ -138,12 +139,10 @@ def slot_class_logits(class_logits: torch.Tensor, slots: SlotSets | None) -> tor
     return _SetLogSumExp.apply(gathered, valid)
 
 
-def target_is_max_of_rows(
-    logits: torch.Tensor, target: torch.Tensor, rows: torch.Tensor
-) -> torch.Tensor:
-    """Whether each row's target logit is the row maximum, for the rows `rows` [n] of logits
-    [N, V] (targets [N]): a max over every row, read in place, then picked. Copying the digit
-    rows out first, as for single digits, copies each number token's row once per digit (a
-    [n, V] copy: most of the loss' time at V = 128256 on CPU, docs/benchmarks.md)."""
+def target_is_max_of_rows(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Whether each row's target logit is the row maximum, logits [N, V], targets [N]: a max
+    over every row, read in place. Copying the digit rows out first, as for single digits,
+    copies each number token's row once per digit (a [n, V] copy: most of the loss' time at
+    V = 128256 on CPU, docs/benchmarks.md); `assemble` picks the digit slots' rows."""
     target_logit = logits.gather(1, target.unsqueeze(1)).squeeze(1)
-    return (target_logit >= logits.amax(-1)).index_select(0, rows)
+    return target_logit >= logits.amax(-1)

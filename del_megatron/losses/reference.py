@@ -2,7 +2,8 @@
 
 CE and the digit-class logits come from one autograd function that saves a single
 float32 log-softmax buffer (as F.cross_entropy does) and builds the dense gradient in one
-pass; the digit terms on the [n, K] class logits are ordinary autograd.
+pass; the digit terms on the [N, K] class logits (weighted 0 off the digit positions) are
+ordinary autograd.
 """
 
 from __future__ import annotations
@@ -84,21 +85,22 @@ def numeric_loss(
         flat, targets.safe_labels, member_ids, member_valid, vocab_size
     )
     with torch.no_grad():
-        if targets.slots is not None:  # grouped digits: rows repeat per digit slot
-            target_is_max = target_is_max_of_rows(
-                flat[:, :vocab_size], targets.safe_labels, targets.rows
-            )
+        if targets.slots is not None:  # grouped digits: every row's test, read in place
+            target_is_max = target_is_max_of_rows(flat[:, :vocab_size], targets.safe_labels)
         else:
-            digit_rows = flat.index_select(0, targets.rows)[:, :vocab_size]
-            target_logit = digit_rows.gather(1, targets.safe_labels[targets.rows].unsqueeze(1))
-            target_is_max = target_logit.squeeze(1) >= digit_rows.amax(-1)
+            # the argmax test reads [n, V] rows of the digit positions only; selecting them waits
+            # for the device once (`nonzero`), which this single-device reference accepts (the
+            # training path, the vocabulary-parallel ops, finds the row maxima in its all-reduce)
+            rows = targets.numeric.nonzero().squeeze(1)
+            digit_rows = flat.index_select(0, rows)[:, :vocab_size]
+            target_logit = digit_rows.gather(1, targets.safe_labels[rows].unsqueeze(1)).squeeze(1)
+            target_is_max = torch.zeros_like(targets.numeric)
+            target_is_max[rows] = target_logit >= digit_rows.amax(-1)
 
     emo_cost = None
     if cfg.kind_spec.needs_cost_embedding:
         emo_cost = _emo_cost(flat[:, :vocab_size], targets.safe_labels, cost_embedding, dtype)
-    return assemble(
-        targets, ce, class_logits.index_select(0, targets.rows), target_is_max, cfg, emo_cost
-    )
+    return assemble(targets, ce, class_logits, target_is_max, cfg, emo_cost)
 
 
 def _true_vocab_size(vocab: DigitVocab, num_columns: int) -> int:

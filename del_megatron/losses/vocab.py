@@ -344,7 +344,9 @@ class DigitVocab:
                 table[list(ids)] = k
             if self.point_ids:
                 table[list(self.point_ids)] = POINT_CLASS
-            self._device_cache[key] = table.to(device)
+            # non_blocking: from pageable memory CUDA stages the copy at once and the host
+            # does not wait for the device (a blocking copy would, at the first micro-batch)
+            self._device_cache[key] = table.to(device, non_blocking=True)
         return self._device_cache[key]
 
     def class_members(
@@ -376,7 +378,10 @@ class DigitVocab:
             width = max(len(c) for c in classes)
             ids = torch.tensor([list(c) + [c[0]] * (width - len(c)) for c in classes])
             valid = torch.tensor([[j < len(c) for j in range(width)] for c in classes])
-            self._device_cache[key] = (ids.to(device), valid.to(device))
+            self._device_cache[key] = (
+                ids.to(device, non_blocking=True),  # as the class table
+                valid.to(device, non_blocking=True),
+            )
         return self._device_cache[key]
 
 

@@ -252,7 +252,7 @@ def prepare_vocab_parallel(
             )
     targets = prepare_targets(labels, vocab, cfg, loss_mask, vocab_size, compute_dtype(dtype))
     # Logit rows run over [s, b]; target rows over [b, s]: reorder the small tensors only.
-    target_sb = targets.safe_labels.view(batch, seq).t().reshape(-1)
+    target_sb = to_sb(targets.safe_labels, seq, batch)
     member_ids, member_valid = vocab.class_members(cfg.num_classes, device)
     return Prepared(
         targets,
@@ -276,13 +276,12 @@ def finish_vocab_parallel(
     emo: torch.Tensor,
 ) -> NumericLossOutput:
     """The parts (rows in [s, b] order) assembled into the loss (rows in [b, s] order)."""
-    seq, batch, targets = prepared.seq, prepared.batch, prepared.targets
-    rows_sb = (targets.rows % seq) * batch + targets.rows // seq
+    seq, batch = prepared.seq, prepared.batch
     return assemble(
-        targets,
+        prepared.targets,
         _to_bs(ce, seq, batch),
-        class_logits.index_select(0, rows_sb),
-        target_is_max.index_select(0, rows_sb),
+        _to_bs(class_logits, seq, batch),
+        _to_bs(target_is_max, seq, batch),
         cfg,
         _to_bs(emo, seq, batch) if cfg.kind_spec.needs_cost_embedding else None,
     )
@@ -334,5 +333,12 @@ def vocab_parallel_numeric_loss(
 
 
 def _to_bs(per_row: torch.Tensor, seq: int, batch: int) -> torch.Tensor:
-    """[s*b] in [s, b] order -> [b*s] in [b, s] order."""
-    return per_row.view(seq, batch).t().reshape(-1)
+    """[s*b, ...] in [s, b] order -> [b*s, ...] in [b, s] order."""
+    rest = per_row.shape[1:]
+    return per_row.view(seq, batch, *rest).transpose(0, 1).reshape(-1, *rest)
+
+
+def to_sb(per_row: torch.Tensor, seq: int, batch: int) -> torch.Tensor:
+    """[b*s, ...] in [b, s] order -> [s*b, ...] in [s, b] order (the logits' rows)."""
+    rest = per_row.shape[1:]
+    return per_row.view(batch, seq, *rest).transpose(0, 1).reshape(-1, *rest)

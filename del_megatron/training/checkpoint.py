@@ -103,25 +103,36 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
 
 
 def _save_weights(run: Any, directory: Path) -> None:
-    """model/tpNN.safetensors from data-parallel rank 0 of each tensor-parallel rank (ZeRO-3
-    parameters gathered first), in the training dtype with canonical (local-spec) names,
-    arch.json and the tokenizer: what del-convert megatron-to-hf and init.megatron read,
-    safe to load (safetensors, no pickle)."""
-    import deepspeed
+    """model/tpNN.safetensors from data-parallel rank 0 of each tensor-parallel rank, in the
+    training dtype with canonical (local-spec) names, arch.json and the tokenizer: what
+    del-convert megatron-to-hf and init.megatron read, safe to load (safetensors, no pickle)."""
     from megatron.core import parallel_state
 
     from ..models.weight_files import WEIGHTS, write_rank_weights, write_weights_record
 
-    module = run.engine.module
-    params = list(module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=run.cfg.parallel.zero_stage == 3):
-        if run.dp_rank == 0:
-            out = directory / WEIGHTS
-            out.mkdir(exist_ok=True)
-            tp_rank = parallel_state.get_tensor_model_parallel_rank()
-            write_rank_weights(out, tp_rank, dict(module.named_parameters()))
-            if run.is_main:
-                write_weights_record(out, run.cfg.model, run.cfg.tokenizer_path())
+    weights = host_weights(run.engine.module, run.cfg.parallel.zero_stage == 3, run.dp_rank == 0)
+    if run.dp_rank == 0:
+        out = directory / WEIGHTS
+        out.mkdir(exist_ok=True)
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        write_rank_weights(out, tp_rank, weights)
+        if run.is_main:
+            write_weights_record(out, run.cfg.model, run.cfg.tokenizer_path())
+
+
+def host_weights(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, torch.Tensor]:
+    """{name: host copy} of this rank's parameters when `keep` (else {}). Under ZeRO 3 every
+    data-parallel rank takes part in gathering each parameter (a collective), one parameter
+    at a time: a device holds its shard of the model plus one whole parameter, never the
+    whole model."""
+    import deepspeed
+
+    weights = {}
+    for name, param in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=zero3):
+            if keep:
+                weights[name] = param.detach().cpu()
+    return weights
 
 
 def _save_layout_free(run: Any, directory: Path) -> None:

@@ -124,9 +124,13 @@ def _stored_shape(name: str, shape: tuple[int, ...], vocab: int, tp_rank: int):
 def _flat_groups(zero: Any) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
     """(the parameters, the flat fp32 partition Adam steps) of each group of a ZeRO optimizer:
     stage 1/2 name them bit16_groups / single_partition_of_fp32_groups, stage 3 fp16_groups /
-    fp32_partitioned_groups_flat."""
+    fp32_partitioned_groups_flat, and DeepSpeed's BF16_Optimizer (stage 1 of a bf16 run that
+    sums gradients in float32, config.deepspeed_config) bf16_groups /
+    fp32_groups_flat_partition."""
     if hasattr(zero, "fp32_partitioned_groups_flat"):
         return list(zip(zero.fp16_groups, zero.fp32_partitioned_groups_flat, strict=True))
+    if hasattr(zero, "fp32_groups_flat_partition"):
+        return list(zip(zero.bf16_groups, zero.fp32_groups_flat_partition, strict=True))
     return list(zip(zero.bit16_groups, zero.single_partition_of_fp32_groups, strict=True))
 
 

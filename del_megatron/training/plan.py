@@ -46,6 +46,16 @@ def count_parameters(arch: LlamaArchitecture, tp: int) -> ParameterCount:
     )
 
 
+def flops_per_token(arch: LlamaArchitecture, tp: int, seq_len: int) -> int:
+    """Training FLOPs a token costs (forward and backward): 6 per parameter of the model as
+    built (the padded vocabulary's rows are multiplied too) plus attention's 12 x layers x
+    hidden x sequence. From the architecture, not from the built model's tensors: ZeRO 3
+    leaves those empty after `deepspeed.initialize`, and a tensor-parallel rank holds a
+    share of them."""
+    attention = 12 * arch.num_layers * arch.hidden_size * seq_len
+    return 6 * count_parameters(arch, tp).total + attention
+
+
 def model_state_bytes(
     params: int, largest_layer: int, data_parallel: int, zero_stage: int, param_bytes: int
 ) -> dict[str, int]:

@@ -28,6 +28,7 @@ from ..models.device import (
 from . import progress
 from .initial_weights import initialize_weights, open_initial_weights
 from .metrics import PairSum, Reporter, StepMetrics, means
+from .plan import flops_per_token
 from .schedule import Schedule, reapply, rebase
 from .signals import StopRequest, agree
 
@@ -88,10 +89,11 @@ def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
     from ..parallel import MegatronMPU, init_distributed, init_model_parallel
     from ..tokenizer import Tokenizer
 
-    rank, world = init_distributed(device)
+    timeout = cfg.parallel.collective_timeout_minutes
+    rank, world = init_distributed(device, timeout)
     dp_size = cfg.data_parallel_size(world)
     accumulation = cfg.accumulation_steps(world)
-    init_model_parallel(cfg.parallel.tensor_parallel)
+    init_model_parallel(cfg.parallel.tensor_parallel, timeout)
     tokenizer = Tokenizer(cfg.tokenizer_path())
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -116,8 +118,7 @@ def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
         mpu=MegatronMPU(),
         lr_scheduler=scheduler,
     )
-    arch = cfg.model
-    flops = 6 * params + 12 * arch.num_layers * arch.hidden_size * cfg.train.seq_len
+    flops = flops_per_token(cfg.model, cfg.parallel.tensor_parallel, cfg.train.seq_len)
     return Run(
         cfg=cfg,
         device=device,

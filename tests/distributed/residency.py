@@ -13,8 +13,16 @@ a GPU run and records each place where such a run would fail or stall:
 * a violation: a host tensor handed to a torch.distributed collective (NCCL takes CUDA
   tensors only), or an op of our code mixing host and device tensors of more than zero
   dimensions (CUDA refuses that; 0-dim host tensors are scalars it accepts).
-* a host synchronisation: `.item()`, `.tolist()`, `float()`/`int()`/`bool()` of a device
-  tensor, or `.cpu()` of one, from our code; counted per phase.
+* a host synchronisation, from our code, counted per phase:
+  - a read: `.item()`, `.tolist()`, `float()`/`int()`/`bool()` of a device tensor, or
+    `.cpu()` of one;
+  - a shape that depends on a device tensor's values (`DATA_DEPENDENT`: nonzero,
+    masked_select, unique, ..., and indexing with a boolean mask, read or written): the host
+    waits for the device to learn the size;
+  - a blocking host-to-device copy: `torch.tensor` / `as_tensor` of Python data onto the
+    device, or `.to(device)` of a host tensor that is not a loader batch (those are pinned
+    and copied `non_blocking` on a GPU, `models/device.batch_to_device`) and not
+    `non_blocking` itself.
 
 Only calls made from del_megatron/ are judged; megatron-core, DeepSpeed and torch make their
 own tensors. The rules are a model of CUDA's, kept small: factories, `to`/`cpu`, copies,
@@ -54,6 +62,18 @@ FACTORIES = {
     "eye",
 }
 SYNCS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy"}
+# ops whose result's shape depends on the values of a device tensor
+DATA_DEPENDENT = {
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "masked_scatter",
+    "unique",
+    "unique_consecutive",
+    "bincount",
+}
+INDEXING = {"__getitem__", "__setitem__", "index_put", "index_put_"}
+COPIES_DATA = {"tensor", "as_tensor"}  # factories that copy Python data
 KEEPS_SELF = {"copy_", "__setitem__", "set_"}  # cross-device copies are allowed
 COLLECTIVES = (
     "all_reduce",
@@ -70,6 +90,17 @@ class HostTensor(torch.Tensor):
     """A tensor that, on a GPU run, lives in host memory (a marker only)."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class HostBatch(HostTensor):
+    """A loader's batch tensor: host memory that a GPU run pins and copies `non_blocking`."""
+
+
+def _bool_index(args) -> bool:
+    """Whether an indexing call's index holds a boolean tensor (a mask)."""
+    index = args[1] if len(args) > 1 else None
+    parts = index if isinstance(index, (tuple, list)) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
 
 
 def _host(t) -> bool:
@@ -129,15 +160,36 @@ class Residency(TorchFunctionMode):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         hosts = [t for t in tensors if _host(t)]
         result = func(*args, **kwargs)
-        if name in SYNCS and ours and tensors and not _host(tensors[0]):
-            self.syncs[self.phase] += 1
-            self.sync_places[self.phase].append(f"{name} at {where}")
+        on_device = bool(tensors) and not _host(tensors[0])
+        if name in SYNCS and ours and on_device:
+            self._sync(name, where)
+        elif (
+            ours
+            and on_device
+            and (
+                name in DATA_DEPENDENT
+                or (name == "where" and len(args) + len(kwargs) == 1)
+                or (name in INDEXING and _bool_index(args))
+            )
+        ):
+            self._sync(f"{name} (a shape from the device's values)", where)
+        elif ours and name in COPIES_DATA and not tensors:
+            if _device_arg(name, args, kwargs) is not None:
+                self._sync(f"torch.{name} of Python data onto the device", where)
+        elif (
+            ours
+            and name in ("to", "cuda")
+            and _host(args[0])
+            and not isinstance(args[0], HostBatch)
+            and not kwargs.get("non_blocking", False)
+            and (_device_arg(name, args, kwargs) is not None or name == "cuda")
+        ):
+            self._sync(f"{name}() of a host tensor (a blocking copy)", where)
         if name in KEEPS_SELF:
             return result
         if name == "cpu" or name == "pin_memory":
             if ours and name == "cpu" and not _host(args[0]):
-                self.syncs[self.phase] += 1
-                self.sync_places[self.phase].append(f"cpu() at {where}")
+                self._sync("cpu()", where)
             return _as(result, True)
         if name == "to" or name == "cuda":
             device = _device_arg(name, args, kwargs)
@@ -159,6 +211,10 @@ class Residency(TorchFunctionMode):
         if isinstance(result, (tuple, list)):
             return type(result)(_as(r, True) for r in result)
         return _as(result, True)
+
+    def _sync(self, what: str, where: str | None) -> None:
+        self.syncs[self.phase] += 1
+        self.sync_places[self.phase].append(f"{what} at {where}")
 
     # ---- collectives ------------------------------------------------------------------
 
@@ -193,9 +249,20 @@ class Residency(TorchFunctionMode):
         @functools.wraps(iterate)
         def call(*args, **kwargs):
             for batch in iterate(*args, **kwargs):
-                yield {k: _as(v, True) for k, v in batch.items()}
+                yield {k: v.as_subclass(HostBatch) for k, v in batch.items()}
 
         return call
+
+    def in_backward(self, function: type[torch.autograd.Function]) -> staticmethod:
+        """`function.backward` run under this mode too (set it on the class): torch runs
+        backward with no torch function mode active, and our ops form their gradients there."""
+        original = function.backward
+
+        def backward(ctx, *grads):
+            with self:
+                return original(ctx, *grads)
+
+        return staticmethod(backward)
 
     def phased(self, phase: str, fn):
         """fn, run with `self.phase` set to `phase` (numbered by call)."""

@@ -74,6 +74,20 @@ def assert_follows(got, want, rel: float, atol: float, what: str):
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_tp2_dp2_zero_matches_tp1_dp1(reference, tp2_dp2, zero):
     assert_follows(tp2_dp2[f"{KIND}:{zero}"], reference, 1e-4, 2e-5, f"TP 2 x DP 2 ZeRO {zero}")
+    # MFU's FLOPs per token: 6 per parameter of the whole model + attention's 12 x layers x
+    # hidden x sequence, at every stage and layout (ZeRO 3 empties the parameters a count
+    # after deepspeed.initialize would read; a rank holds a share of them)
+    params = sum(value.numel() for value in reference["params"].values())
+    assert reference["flops_per_token"] == 6 * params + 12 * 2 * 64 * 32
+    assert tp2_dp2[f"{KIND}:{zero}"]["flops_per_token"] == reference["flops_per_token"]
+
+
+def test_the_collective_timeout_reaches_every_group(reference, tp2_dp2):
+    """parallel.collective_timeout_minutes (17 in the worker's config) is the timeout of the
+    process group and of megatron-core's groups, read back from their backends (before:
+    DeepSpeed's 10 minutes and megatron's 30)."""
+    for got in [reference, *tp2_dp2.values()]:
+        assert got["timeout_minutes"] == dict.fromkeys(("world", "data", "tensor", "model"), 17)
 
 
 def test_fused_output_follows_the_unfused_trajectory(tp2_dp2):

@@ -234,9 +234,9 @@ hook / megatron fused CE: time {t:.3f}x, peak {p:.3f}x (logits handed over), 1.0
 FUSED = """fused / megatron: time {t:.3f}x, peak memory {p:.3f}x (.grad fresh)
 chunk   4096: fused time {ct:.3f}x, peak (fresh) 1200 MiB ({cp:.3f}x)
 """
-STEP = """kind     step ms   ratio   tokens/s  TFLOP/s    MFU
-mle        800.0  1.000x      20480    400.0  0.404
-del        {d:5.1f}  1.050x      19505    381.0  {m:.3f}
+STEP = """kind     step ms   ratio   tokens/s  TFLOP/s    MFU  numeric
+mle        800.0  1.000x      20480    400.0  0.404      nan
+del        {d:5.1f}  1.050x      19505    381.0  {m:.3f}   0.2100
 """
 GOOD = {"t": 0.98, "p": 0.05, "ct": 0.9, "cp": 0.3, "d": 820.0, "m": 0.385}
 

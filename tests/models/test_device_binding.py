@@ -73,7 +73,7 @@ def test_deepspeed_binds_the_device_the_rank_is_on(monkeypatch, visible):
         monkeypatch.delenv(name, raising=False)
     for name, value in {**SLURM_TASK, "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
-    parallel.init_distributed(torch.device("cuda"))
+    parallel.init_distributed(torch.device("cuda"), timeout_minutes=60)
     deepspeed_device = int(os.environ["LOCAL_RANK"])  # deepspeed/comm/utils.py reads this
     assert bound == [deepspeed_device] == [0 if visible == 1 else 3]
     # the rank that prints once a node is still found by SLURM's local id

@@ -24,6 +24,7 @@ from del_megatron.models.sharding import gather_full
 from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
 SEQ, MICRO, GLOBAL, VOCAB = 32, 2, 8, 800  # MICRO: unless the variant names one
+TIMEOUT_MINUTES = 17  # parallel.collective_timeout_minutes, read back from every group
 
 
 def config(tokenizer: str, manifest: str, tp: int, zero: int, kind: str, micro: int = MICRO):
@@ -46,7 +47,11 @@ def config(tokenizer: str, manifest: str, tp: int, zero: int, kind: str, micro: 
                 "fused_output": "+fused" in kind,
                 "fused_recompute": "+recompute" in kind,
             },
-            "parallel": {"tensor_parallel": tp, "zero_stage": zero},
+            "parallel": {
+                "tensor_parallel": tp,
+                "zero_stage": zero,
+                "collective_timeout_minutes": TIMEOUT_MINUTES,
+            },
             "optim": {"lr": 1e-3, "warmup_fraction": 0.2, "clip_grad": 1.0},
             "train": {
                 "steps": 5,
@@ -79,6 +84,24 @@ def global_batches(digit_ids: list[int]):
     return steps
 
 
+def group_timeouts() -> dict[str, float]:
+    """The timeout, in minutes, of the process group and megatron-core's groups, as their
+    backends hold it."""
+    from megatron.core import parallel_state
+
+    groups = {
+        "world": dist.group.WORLD,
+        "data": parallel_state.get_data_parallel_group(),
+        "tensor": parallel_state.get_tensor_model_parallel_group(),
+        "model": parallel_state.get_model_parallel_group(),
+    }
+    backend = torch.device("cpu")
+    return {
+        name: group._get_backend(backend).options._timeout.total_seconds() / 60
+        for name, group in groups.items()
+    }
+
+
 def run_variant(tokenizer: str, manifest: str, tp: int, variant: str, steps, out_dir: Path):
     kind, zero, *micro = variant.split(":")
     micro = int(micro[0]) if micro else MICRO
@@ -96,7 +119,12 @@ def run_variant(tokenizer: str, manifest: str, tp: int, variant: str, steps, out
     import deepspeed
 
     run = setup(cfg)
-    trajectory = {"losses": [], "grad_norms": []}
+    trajectory = {
+        "losses": [],
+        "grad_norms": [],
+        "flops_per_token": run.flops_per_token,
+        "timeout_minutes": group_timeouts(),
+    }
     for step in range(1, cfg.train.steps + 1):
         values = train_step(run, next_micro_batches(run, batches, step - 1), step).metrics.values()
         trajectory["losses"].append(values["loss"])
