@@ -117,8 +117,8 @@ def test_grouped_gradient_is_the_derivative_of_the_loss(kind):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_machinery_at_m1_is_the_single_digit_path_bit_for_bit(kind, dtype, monkeypatch):
     """The grouped path forced on a single-digit vocabulary: sets = the ten classes, one
-    slot per token, the same places: loss, per-token losses, statistics and the logits'
-    gradient equal bit for bit."""
+    slot per token, the same places: loss, per-token losses and the logits'
+    gradient equal bit for bit, the statistics within 1e-6 (another summation order)."""
     cfg = NumericLossConfig(kind=kind, normalize="tokens" if kind == "dist2" else "digits")
     labels, mask = make_batch(3, 48, seed=4)
     gen = torch.Generator().manual_seed(8)
@@ -134,7 +134,11 @@ def test_grouped_machinery_at_m1_is_the_single_digit_path_bit_for_bit(kind, dtyp
     monkeypatch.setattr(DigitVocab, "grouped", property(lambda self: True))
     grouped, grouped_grad = run()
     assert torch.equal(grouped.loss, today.loss) and torch.equal(grouped.per_token, today.per_token)
-    assert all(torch.equal(grouped.stats[k], today.stats[k]) for k in today.stats)
+    # Counts equal; the float sums (entropy, abs error, numeric) only in their last bits: the
+    # single-digit path sums every row with zeros off the digits (no host wait), the grouped
+    # path the selected digit slots, in another order.
+    for key in today.stats:
+        assert_close(grouped.stats[key], today.stats[key], atol=0, rtol=1e-6, what=key)
     assert torch.equal(grouped_grad, today_grad)
 
 
