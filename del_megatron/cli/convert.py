@@ -31,13 +31,22 @@ def hf_to_megatron_cmd(args: argparse.Namespace) -> str:
         arch.check_tensor_parallel(args.tp)
     except ValueError as err:
         raise ConversionError(f"--tp {args.tp}: {err}") from None
-    hf_to_megatron(checkpoint, arch, args.out, tensor_parallel=args.tp, force=args.force)
+    hf_to_megatron(
+        checkpoint,
+        arch,
+        args.out,
+        tensor_parallel=args.tp,
+        force=args.force,
+        wait=args.wait_for_lock,
+    )
     return f"{args.hf} -> {args.out}/model ({arch.family}, {args.tp} tensor-parallel shards)"
 
 
 def megatron_to_hf_cmd(args: argparse.Namespace) -> str:
     print(f"del-convert: exporting {args.checkpoint} to {args.out}", flush=True)
-    what = export_hf(args.checkpoint, args.out, dtype=args.dtype, force=args.force)
+    what = export_hf(
+        args.checkpoint, args.out, dtype=args.dtype, force=args.force, wait=args.wait_for_lock
+    )
     return (
         f"{args.checkpoint} -> {args.out} ({what})\n"
         f"next: transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r}) and "
@@ -77,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
             "--force",
             action="store_true",
             help="write into an output directory that holds other files (they are kept)",
+        )
+        sub_parser.add_argument(
+            "--wait-for-lock",
+            action="store_true",
+            help="another process writing the same output: wait for it (default: refuse)",
         )
     args = parser.parse_args(argv)
     try:

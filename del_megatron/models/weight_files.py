@@ -217,12 +217,13 @@ def write_weights(
     tokenizer: str | Path | None,
     *,
     force: bool = False,
+    wait: bool = False,
 ) -> None:
     """<directory>/model/ from each rank's {name: tensor} (one rank in memory at a time when
     `shards` is a generator), replacing an earlier one whole, or nothing on failure."""
     final = Path(directory) / WEIGHTS
     is_ours = _matches(WEIGHTS_FILES)
-    staging = begin_output(final, is_ours, force=force)
+    staging = begin_output(final, is_ours, force=force, wait=wait)
     try:
         for rank, shard in enumerate(shards):
             write_rank_weights(staging, rank, shard)
@@ -240,11 +241,16 @@ class HFWriter:
     all, and files in the directory that an export does not write are kept."""
 
     def __init__(
-        self, directory: str | Path, *, shard_bytes: int = 4 << 30, force: bool = False
+        self,
+        directory: str | Path,
+        *,
+        shard_bytes: int = 4 << 30,
+        force: bool = False,
+        wait: bool = False,
     ) -> None:
         self.final = Path(directory)
         self.is_ours = _matches(HF_FILES)
-        self.tmp = begin_output(self.final, self.is_ours, force=force)
+        self.tmp = begin_output(self.final, self.is_ours, force=force, wait=wait)
         self.shard_bytes = shard_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
