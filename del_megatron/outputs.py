@@ -22,6 +22,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -243,6 +244,27 @@ def output_lock(final: Path, *, wait: bool = False) -> Iterator[None]:
         yield
     finally:
         release_output_lock(final)
+
+
+def check_output_dir(directory: Path, flag: str) -> None:
+    """`directory` is or becomes a directory a file can be written in (it is created):
+    checked before long work, so that the work is not lost at its last step."""
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"{flag} {directory}: exists and is not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        raise write_error(directory, err, flag) from None
+
+
+def write_error(directory: Path, err: OSError, flag: str = "") -> UserError:
+    """The one line for an output that cannot be written: a full disk says what it needs."""
+    if is_no_space(err):
+        return no_space(directory)
+    where = f"{flag} {directory}" if flag else str(directory)
+    return UserError(f"{where}: cannot write there ({err.strerror or err})")
 
 
 def free_bytes(path: Path) -> int:

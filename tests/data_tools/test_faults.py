@@ -121,25 +121,10 @@ def test_a_dead_holder_on_this_host_is_taken_over(tmp_path, capsys, synth_tokeni
     assert read_manifest(str(out / "manifest.json")).documents == len(DOCS)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 256 KiB filesystem of its own (tmpfs; root only), unmounted after the test."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=False)
-
-
 def test_a_full_disk_is_one_line_and_the_previous_build_stays(
-    small_disk, tmp_path, capsys, synth_tokenizer, synth_corpus
+    tmpfs, tmp_path, capsys, synth_tokenizer, synth_corpus
 ):
+    small_disk = tmpfs("256k")
     out = small_disk / "out"
     good = tmp_path / "good.jsonl"
     good.write_bytes(jsonl())

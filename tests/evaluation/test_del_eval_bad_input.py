@@ -179,3 +179,31 @@ def test_heldout_metrics_of_a_hugging_face_model(capsys, tiny_models, synth_shar
     assert numeric["seq_len"] == 64 and numeric["batches"] == 2
     assert numeric["tokens"] == 2 * 2 * 64 and numeric["digits"] > 0
     assert 0 < numeric["loss"] < 20 and "| windows (tokens) | 64 |" in capsys.readouterr().out
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(capsys, tmp_path, tmpfs):
+    """--out on a read-only filesystem, or naming a file: refused before the model loads
+    (before: the whole evaluation ran, then an OSError traceback, the results never shown)."""
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    read_only = tmpfs("64k", read_only=True)
+    argv = [NO_MODEL, "--gsm8k", one, "--shots", "0", "--out"]
+    line = fails(capsys, *argv, read_only / "eval")
+    assert f"--out {read_only}/eval: cannot write there (Read-only file system)" in line, line
+    line = fails(capsys, *argv, one)
+    assert f"--out {one}: exists and is not a directory" in line, line
+    line = fails(capsys, "compare", tmp_path, "--out", read_only / "cmp")
+    assert "cannot write there (Read-only file system)" in line, line
+
+
+def test_results_are_shown_before_they_are_written(capsys, tiny_models, synth_shards, tmp_path):
+    """A write that fails after the work (here results.json is a directory) is one line,
+    and the table is on the console already."""
+    out = tmp_path / "out"
+    (out / "results.json").mkdir(parents=True)
+    argv = ["--heldout", synth_shards, "--max-batches", "1", "--batch-size", "1", "--quiet"]
+    assert main([str(a) for a in [tiny_models / "fits", *argv, "--out", out]]) == 2
+    captured = capsys.readouterr()
+    assert "| windows (tokens) | 64 |" in captured.out
+    assert f"--out {out}: cannot write there (Is a directory)" in captured.err
+    assert "Traceback" not in captured.err
