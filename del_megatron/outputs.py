@@ -283,6 +283,29 @@ def no_space(directory: Path, needed: int | None = None) -> UserError:
     )
 
 
+@contextlib.contextmanager
+def agreed_output_lock(final: Path, *, leader: bool) -> Iterator[None]:
+    """`final`'s lock for a job of several processes: the `leader` alone takes it, and every
+    process raises the leader's refusal (a decision agreed over the processes, so a second
+    job's ranks all stop, none waits in a collective for one that left)."""
+    from . import collectives
+
+    refusal = None
+    if leader:
+        try:
+            acquire_output_lock(final)
+        except UserError as err:
+            refusal = str(err)
+    refusals = [r for r in collectives.all_gather_object(refusal) if r]
+    if refusals:
+        raise OutputLocked(refusals[0])
+    try:
+        yield
+    finally:
+        if leader:
+            release_output_lock(final)
+
+
 def is_no_space(err: BaseException) -> bool:
     """A full disk or quota, however deep a library wrapped it (torch.save raises
     RuntimeError around the ENOSPC of its writer)."""
