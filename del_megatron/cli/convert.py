@@ -21,6 +21,7 @@ from ..errors import UserError
 from ..models.conversion import export_hf, hf_to_megatron, open_hf
 from ..models.hf_config import ConversionError
 from ..models.weight_files import DTYPES
+from ..outputs import is_no_space, no_space
 from .arguments import positive_int
 
 
@@ -95,12 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(args.func(args))
-    except OSError as err:  # reading or writing a path the user gave
-        print(f"del-convert {args.command}: error: {err.filename}: {err.strerror}", file=sys.stderr)
-        return 2
     except UserError as err:
         print(f"del-convert {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        if is_no_space(err):  # safetensors and torch wrap it in their own errors
+            print(f"del-convert {args.command}: error: {no_space(args.out)}", file=sys.stderr)
+            return 2
+        if isinstance(err, OSError):  # reading or writing a path the user gave
+            message = f"{err.filename}: {err.strerror}"
+            print(f"del-convert {args.command}: error: {message}", file=sys.stderr)
+            return 2
+        raise
     return 0
 
 
