@@ -67,6 +67,7 @@ def export_hf(
     Hugging Face checkpoint; returns "family, dtype". dtype: the stored (training) dtype
     unless given. The output appears complete or not at all (HFWriter)."""
     weights = MegatronWeights(checkpoint)
+    weights.verify()
     arch = weights.arch
     dtype_name = dtype or weights.dtype
     config = hf_config(arch, dtype_name)  # refuses what the family cannot express, first

@@ -136,6 +136,16 @@ class MegatronWeights:
                 * self.tensor_parallel
             )
 
+    def verify(self) -> None:
+        """The weight files against the checksums of the checkpoint they are part of
+        (files.json, del_megatron/checksums.py), for a reader of every file (del-convert,
+        del-eval); a weights directory without the index is taken as it is."""
+        from ..checksums import verify_listed
+
+        problem = verify_listed(self.root.parent, [f"{WEIGHTS}/{p.name}" for p in self.paths])
+        if problem:
+            raise ConversionError(problem)
+
     def shard(self, name: str, rank: int) -> torch.Tensor:
         """Rank `rank`'s stored shard of the canonical tensor `name`."""
         if name not in self.names:

@@ -27,7 +27,7 @@ from . import checkpoint_files, layout_free
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
-DEEPSPEED_TAG = "state"
+DEEPSPEED_TAG = checkpoint_files.DEEPSPEED_TAG  # the directory of DeepSpeed's own files
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -351,7 +351,7 @@ def check_load_files(path: Path, meta: dict[str, Any], other_layout: bool) -> No
         else:
             needed = checkpoint_files.deepspeed_files(meta)
         checkpoint_files.check_files(path, needed)
-    except (checkpoint_files.CheckpointFileError, layout_free.LayoutFreeError) as err:
+    except (checkpoint_files.ChecksumError, layout_free.LayoutFreeError) as err:
         raise CheckpointError(str(err)) from None
 
 

@@ -20,48 +20,25 @@ name and header, and its contents are not verified.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from pathlib import Path
 from typing import Any
 
-from ..errors import UserError
+from ..checksums import (
+    FORMAT,
+    INDEX,
+    ChecksumError,
+    hash_file,
+    read_index,
+    verify_listed,
+)
 
-INDEX = "files.json"
-FORMAT = 1
-READ_SIZE = 4 << 20
-DEEPSPEED_TAG = "state"  # checkpoint.DEEPSPEED_TAG, the directory of DeepSpeed's own files
+DEEPSPEED_TAG = "state"  # the directory (DeepSpeed's "tag") of DeepSpeed's own files
 
 
-class CheckpointFileError(UserError, RuntimeError):
+class CheckpointFileError(ChecksumError):
     """A checkpoint file missing, cut short or changed; the message names it."""
-
-
-class HashingWriter:
-    """A binary file written through: counts and hashes every byte (no second read)."""
-
-    def __init__(self, handle) -> None:
-        self.handle = handle
-        self.digest = hashlib.sha256()
-        self.bytes = 0
-
-    def write(self, data) -> None:
-        self.handle.write(data)
-        self.digest.update(data)
-        self.bytes += len(memoryview(data).cast("B"))
-
-    def entry(self) -> dict[str, Any]:
-        return {"bytes": self.bytes, "sha256": self.digest.hexdigest()}
-
-
-def hash_file(path: Path) -> dict[str, Any]:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(READ_SIZE):
-            digest.update(chunk)
-            size += len(chunk)
-    return {"bytes": size, "sha256": digest.hexdigest()}
 
 
 def _all_files(directory: Path) -> list[str]:
@@ -87,23 +64,6 @@ def write_index(directory: Path, known: dict[str, dict[str, Any]], rank: int, wo
     if rank == 0:
         index = {"format": FORMAT, "files": dict(sorted(entries.items()))}
         (directory / INDEX).write_text(json.dumps(index, indent=1))
-
-
-def read_index(checkpoint: Path) -> dict[str, dict[str, Any]] | None:
-    """{relative path: {bytes, sha256}}; None for a checkpoint saved before the index."""
-    path = checkpoint / INDEX
-    if not path.exists():
-        return None
-    try:
-        index = json.loads(path.read_text())
-        if index.get("format") != FORMAT:
-            raise ValueError(f"format {index.get('format')}, this version reads {FORMAT}")
-        files = dict(index["files"])
-        for entry in files.values():
-            int(entry["bytes"]), str(entry["sha256"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointFileError(f"{path}: unreadable ({err})") from None
-    return files
 
 
 # ---- which files a resume reads -----------------------------------------------------------
@@ -212,15 +172,4 @@ def verify_share(checkpoint: Path, rank: int, world: int) -> str | None:
     index = read_index(checkpoint)
     if index is None:
         return None
-    for name in sorted(index)[rank::world]:
-        path = checkpoint / name
-        try:
-            found = hash_file(path)
-        except OSError as err:
-            return f"{path}: unreadable ({err.strerror or err})"
-        if found != index[name]:
-            return (
-                f"{path}: its contents differ from the checksum in {checkpoint / INDEX} "
-                "(corrupted): resume from another checkpoint"
-            )
-    return None
+    return verify_listed(checkpoint, sorted(index)[rank::world])

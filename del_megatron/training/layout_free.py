@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
+from ..checksums import HashingWriter
 from ..errors import UserError, one_line
 from ..models.hf_tensors import canonical
 from ..models.sharding import merge, partition_of_param
-from .checkpoint_files import HashingWriter
 
 OPTIM = "optim"
 INDEX = "index.json"

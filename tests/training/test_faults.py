@@ -176,3 +176,26 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_on_every_rank(
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert f"{fills / 'run' / 'checkpoints'}: no space left on the device" in lines[0]
     assert not list((fills / "run" / "checkpoints").glob("step-*"))
+
+
+def test_a_changed_byte_of_a_saved_weight_is_refused_by_its_readers(saved, tmp_path, capsys):
+    """del-convert and del-eval read a checkpoint's model/ whole: verified against
+    files.json (before: exported and evaluated the changed weights)."""
+    from del_megatron.cli.convert import main as convert
+    from del_megatron.cli.eval import main as evaluate
+
+    checkpoint = tmp_path / "step"
+    shutil.copytree(saved / "checkpoints" / "step-0000002", checkpoint)
+    weights = checkpoint / "model" / "tp00.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    argv = ["megatron-to-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf")]
+    assert convert(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{weights}: its contents differ from the checksum" in err and err.count("\n") == 1
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    assert evaluate([str(checkpoint), "--gsm8k", str(problems), "--shots", "0"]) == 2
+    assert f"{weights}: its contents differ from the checksum" in capsys.readouterr().err
