@@ -1,4 +1,4 @@
-"""What the checkpoint checksums (training/checkpoint_files.py) cost: writing a file through
+"""What the checkpoint checksums (del_megatron/checksums.py) cost: writing a file through
 HashingWriter against a plain write (the layout-free state's path: hashed as written), and
 hashing a file that is in the page cache (the files hashed at the end of a save, and the
 verification at a load), in GB/s of one process.
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from del_megatron.training.checkpoint_files import HashingWriter, hash_file
+from del_megatron.checksums import HashingWriter, hash_file
 
 CHUNK = 16 << 20  # a parameter's bytes as layout_free.save writes them
 

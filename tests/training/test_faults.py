@@ -130,7 +130,17 @@ def test_a_second_job_into_a_running_jobs_output_is_refused_on_every_rank(
         errors = tmp_path / "errors"
         errors.mkdir()
         second = run(
-            [*two_ranks(out, synth_tokenizer, synth_shards, "train.steps=400"), "--resume", "auto"],
+            [
+                *two_ranks(
+                    out,
+                    synth_tokenizer,
+                    synth_shards,
+                    "train.steps=400",
+                    "train.micro_batch_size=4",
+                ),
+                "--resume",
+                "auto",
+            ],
             DEL_USER_ERROR_DIR=str(errors),
         )
         assert second.returncode != 0
