@@ -18,24 +18,16 @@ import psutil
 import pytest
 
 from ..distributed.launcher import ROOT, torchrun_command, torchrun_env
+from .test_resume import train_args as resume_args
 
 pytestmark = pytest.mark.slow
 
 
 def train_args(out: Path, tokenizer, manifest, *extra: str) -> list[str]:
-    return [
-        "--config",
-        str(ROOT / "configs" / "tiny_cpu.yaml"),
-        f"data.tokenizer={tokenizer}",
-        f"data.sources=[{{manifest: {manifest}}}]",
-        "eval.sources=[]",
-        "parallel.tensor_parallel=1",
-        "train.global_batch_size=8",
-        "train.log_interval=1",
-        f"output_dir={out}",
-        "logging.wandb=disabled",
-        *extra,
-    ]
+    """test_resume's run, at tensor parallel 1 on 8 sequences a step, a line a step."""
+    return resume_args(
+        out, tokenizer, manifest, "train.global_batch_size=8", "train.log_interval=1", *extra, tp=1
+    )
 
 
 def one_process(out: Path, tokenizer, manifest, *extra: str) -> list[str]:
@@ -150,7 +142,7 @@ def test_a_second_job_into_a_running_jobs_output_is_refused_on_every_rank(
         left = user_errors(errors)
         assert sorted(left) == ["rank-0", "rank-1"], second.stderr[-3000:]
         assert all(expected in line for line in left.values()), left
-        assert "Traceback" not in second.stderr.split("ChildFailedError")[0], second.stderr[-3000:]
+        assert "del_megatron/" not in second.stderr, second.stderr[-3000:]  # no frame of ours
         assert first.poll() is None  # the first job runs on
     finally:
         for p in [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]:
@@ -176,7 +168,8 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_on_every_rank(
     for line in left.values():
         assert f"{checkpoints}: no space left on the device (" in line, line
         assert " needed)" in line, line
-    assert len(done.stderr.splitlines()) < 40, done.stderr[-3000:]
+    assert "del_megatron/" not in done.stderr, done.stderr[-3000:]  # no traceback of ours
+    assert len(done.stderr.splitlines()) < 60, done.stderr[-3000:]  # torchrun's report aside
 
     # room for the estimate (weights and fp32 state), not for DeepSpeed's model states too
     fills = tmpfs("30m")
