@@ -141,6 +141,7 @@ class OutputLocked(UserError):
 
 
 def lock_of(final: Path) -> Path:
+    final = Path(os.path.abspath(final))  # "." and "run/.." have a name this way
     return final.with_name(f".{final.name}.lock")
 
 

@@ -40,9 +40,9 @@ def one_process(out: Path, tokenizer, manifest, *extra: str) -> list[str]:
 
 
 def two_ranks(out: Path, tokenizer, manifest, *extra: str) -> list[str]:
-    return torchrun_command(
-        "-m del_megatron.cli.train", 2, *train_args(out, tokenizer, manifest, *extra)
-    )
+    """Data parallel 2: the same 8 sequences a step, 4 a rank."""
+    args = train_args(out, tokenizer, manifest, "train.micro_batch_size=4", *extra)
+    return torchrun_command("-m del_megatron.cli.train", 2, *args)
 
 
 def run(cmd, **env) -> subprocess.CompletedProcess:
@@ -128,7 +128,6 @@ def test_a_second_job_into_a_running_jobs_output_is_refused_on_every_rank(
                     synth_tokenizer,
                     synth_shards,
                     "train.steps=400",
-                    "train.micro_batch_size=4",
                 ),
                 "--resume",
                 "auto",
