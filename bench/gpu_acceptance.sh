@@ -6,7 +6,7 @@
 #   bash bench/gpu_acceptance.sh [--dry-run] [--cpu-smoke] [--only NAME,...]
 #
 # The checks: the tiny config (configs/tiny_cpu.yaml) for 30 steps in bf16 with the unfused
-# and the fused loss; a run stopped by SIGUSR1 (exit 75) and resumed with --resume auto, equal
+# and the fused loss; a run stopped by SIGUSR1 (exit 75) and resumed by the same command, equal
 # to the straight run; init.hf from a tiny random Qwen-2 with tied embeddings, del-convert
 # back, transformers' logits of the export against the checkpoint's; del-eval on a checkpoint
 # and its export; then the benchmarks (hook vs megatron CE, fused vs unfused output layer +
@@ -254,7 +254,7 @@ stop_resume_check() { # NAME: SIGUSR1 once step >= STOP_AT, exit 75, resume, com
     x "${command[@]}"
     say "SIGUSR1 to it once $dir/metrics.jsonl reaches step $STOP_AT; it must exit 75"
     x "${command[@]}"
-    say "the same command again: launch/torchrun.sh resumes with --resume auto"
+    say "the same command again: launch/torchrun.sh resumes the same run (--resume same)"
     x "$PY" "$HELPER" compare-runs "$WORK/train-tp$tp" "$dir" --steps "$STEPS" \
       --stopped-at STEP --weights-tol "$WEIGHTS_TOL" --loss-tol "$LOSS_TOL" \
       --notes "$(notes_of "$name")"

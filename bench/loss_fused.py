@@ -47,42 +47,50 @@ sys.path.insert(0, ROOT)
 PATHS = ("megatron", "hook", "fused", "fused-recompute", "compiled")
 
 
-def setup(args):
+def output_layer(vocab_size: int, hidden: int, tokens: int, device, dtype):
+    """megatron's ColumnParallelLinear output layer [h -> V/tp], built from the one model
+    config (models/llama.model_config: megatron's CUDA RNG tracker seeded on GPU)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from del_megatron import DigitVocab
     from del_megatron.models.architecture import LlamaArchitecture
-    from del_megatron.models.device import select_accelerator
-    from del_megatron.models.llama import transformer_config
+    from del_megatron.models.llama import model_config
 
-    device = torch.device(args.device)
-    select_accelerator(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     arch = LlamaArchitecture(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        ffn_hidden_size=4 * args.hidden,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        ffn_hidden_size=4 * hidden,
         num_layers=1,
-        num_attention_heads=args.hidden // 128,
-        num_query_groups=args.hidden // 128,
-        max_position_embeddings=args.tokens,
+        num_attention_heads=hidden // 128,
+        num_query_groups=hidden // 128,
+        max_position_embeddings=tokens,
         make_vocab_size_divisible_by=128,
     )
-    config = transformer_config(arch, device)
-    layer = ColumnParallelLinear(
-        args.hidden,
-        arch.padded_vocab_size(dist.get_world_size()),
+    config = model_config(arch, device, seed=0, weights_follow=False)
+    return ColumnParallelLinear(
+        hidden,
+        arch.padded_vocab_size(parallel_state.get_tensor_model_parallel_world_size()),
         config=config,
         init_method=torch.nn.init.normal_,
         bias=False,
         gather_output=False,
         skip_bias_add=True,
     ).to(device=device, dtype=dtype)
+
+
+def setup(args):
+    from megatron.core import parallel_state
+
+    from del_megatron import DigitVocab
+    from del_megatron.models.device import bind_local_device, select_accelerator
+
+    device = torch.device(args.device)
+    select_accelerator(device)
+    bind_local_device(device, os.environ)  # the project's one binding rule
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    layer = output_layer(args.vocab, args.hidden, args.tokens, device, dtype)
     if args.grad == "held":
         layer.weight.grad = torch.zeros_like(layer.weight)  # ZeRO 1 holds this buffer
     gen = torch.Generator().manual_seed(0)

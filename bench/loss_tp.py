@@ -76,7 +76,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
+    from del_megatron.models.device import bind_local_device
+
     device = torch.device(args.device)
+    bind_local_device(device, os.environ)  # the project's one binding rule, before NCCL's
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     else:
@@ -87,9 +92,6 @@ def main() -> None:
             world_size=1,
         )
     rank, world = dist.get_rank(), dist.get_world_size()
-    if device.type == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)

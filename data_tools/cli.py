@@ -11,7 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-from del_megatron.cli.arguments import non_negative_int, positive_float, positive_int
+from del_megatron.cli.arguments import (
+    non_negative_int,
+    positive_float,
+    positive_int,
+    progress_bars,
+)
 from del_megatron.errors import UserError
 
 from .readers import Fields
@@ -59,7 +64,7 @@ def cmd_build(args: argparse.Namespace) -> None:
         fields=_fields(args),
         shard_bytes=int(args.shard_mb * 2**20),
         workers=args.workers,
-        progress=not args.quiet,
+        progress=progress_bars(args.quiet),
         on_error=args.on_error,
         force=args.force,
         wait_for_lock=args.wait_for_lock,
@@ -131,7 +136,9 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="another build writing the same output: wait for it (default: refuse)",
     )
-    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument(
+        "--quiet", action="store_true", help="no progress bar (nor when stderr is no terminal)"
+    )
     _add_fields(b)
     b.set_defaults(func=cmd_build)
 

@@ -9,31 +9,28 @@ warnings.filterwarnings(
 )
 
 
-def _quiet_cpu_only_notices() -> None:
-    """megatron-core's tensor-parallel layers recommend CUDA_DEVICE_MAX_CONNECTIONS=1 on every
-    forward, also on CPU (gloo), where there is no CUDA stream it could apply to. On a GPU the
-    advice stands (del-train sets the variable itself), so it is silenced only without one."""
-    import torch
-
-    if not torch.cuda.is_available():
-        warnings.filterwarnings(
-            "ignore", message="When using async grad allreduce", category=UserWarning
-        )
-
-
-_quiet_cpu_only_notices()
-
-from .losses import (  # noqa: E402
-    DigitVocab,
-    NumericLossConfig,
-    NumericLossHead,
-    NumericLossOutput,
-    TokenizerError,
-    emo_cost_embedding,
-    numeric_loss,
-    report_pairs,
-    vocab_parallel_numeric_loss,
+# The loss exports are imported when first used (they need torch, seconds): a command's
+# --help and its argument checks answer before that (tests/test_imports.py).
+_LOSS_EXPORTS = (
+    "DigitVocab",
+    "NumericLossConfig",
+    "NumericLossHead",
+    "NumericLossOutput",
+    "TokenizerError",
+    "emo_cost_embedding",
+    "numeric_loss",
+    "report_pairs",
+    "vocab_parallel_numeric_loss",
 )
+
+
+def __getattr__(name: str):
+    if name not in _LOSS_EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import losses
+
+    return getattr(losses, name)
+
 
 __version__ = "0.1.0"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 import typing
 from pathlib import Path
@@ -56,6 +57,11 @@ class OptimConfig(_Section):
     eps: float = Field(default=1e-8, gt=0)
     clip_grad: float = Field(default=1.0, ge=0)
     """Global gradient-norm clip (0: off)."""
+    schedule_on_resume: Literal["continue", "restart"] = "continue"
+    """When a resumed run asks for another train.steps or optim.min_lr: `continue` goes on
+    from the learning rate it had at the checkpoint, cosine to optim.min_lr at the new last
+    step (no jump); `restart` follows the new settings' schedule as if the run had always
+    had them (the rate jumps; also allows another optim.lr or optim.warmup_fraction)."""
 
 
 class TrainConfig(_Section):
@@ -243,7 +249,9 @@ class RunConfig(_Section):
         if world_size % tp:
             raise ConfigError(
                 f"world size {world_size} is not a multiple of parallel.tensor_parallel={tp} "
-                "(world size = tensor parallel x data parallel)"
+                f"(world size = tensor parallel x data parallel): start {tp} processes (bash "
+                f"launch/torchrun.sh --nproc-per-node {tp}, also with --dry-run) or set "
+                f"parallel.tensor_parallel={math.gcd(world_size, tp)}"
             )
         return world_size // tp
 

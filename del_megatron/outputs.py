@@ -2,6 +2,10 @@
 replaces the old output only once the new one is complete, so a failure leaves the previous
 output as it was. Files in the output directory that the command did not write are the
 user's: the command refuses to touch such a directory unless forced, and then keeps them.
+The previous output is never replaced without a word: its files move aside into
+`previous-<UTC time>-XXXX/` inside the output directory (as launch/quickstart.sh does with a
+run's checkpoints), and one line says where (`set_aside`). Every command that writes an
+output directory (data-tools build, del-convert, del-eval --out) follows this one policy.
 
     staging = begin_output(out, is_ours, force=args.force, flag="--force")
     ... write everything into `staging` ...
@@ -30,6 +34,7 @@ from pathlib import Path
 from .errors import UserError
 
 Ours = Callable[[Path], bool]  # does this entry of the output directory belong to us?
+PREVIOUS = "previous-"  # directories of earlier outputs, set aside inside the output
 
 
 def staging_of(final: Path) -> Path:
@@ -45,7 +50,30 @@ def _leftover_staging(final: Path) -> list[Path]:
 def _foreign(final: Path, is_ours: Ours) -> list[Path]:
     if not final.is_dir():
         return []
-    return sorted(p for p in final.iterdir() if not is_ours(p))
+    return sorted(p for p in final.iterdir() if not (is_ours(p) or _set_aside_dir(p)))
+
+
+def _set_aside_dir(path: Path) -> bool:
+    return path.name.startswith(PREVIOUS) and path.is_dir()
+
+
+def set_aside(final: Path, is_ours: Ours) -> Path | None:
+    """The files of the output in `final` that are ours (earlier set-aside directories
+    excepted) moved into a new `final/previous-<UTC time>-XXXX/`, the user's umask applied;
+    returns it, or None when there was nothing to move. Each move is a rename."""
+    if not final.is_dir():
+        return None
+    ours = sorted(p for p in final.iterdir() if is_ours(p) and not _set_aside_dir(p))
+    if not ours:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = Path(tempfile.mkdtemp(prefix=f"{PREVIOUS}{stamp}-", dir=final))
+    umask = os.umask(0)
+    os.umask(umask)
+    aside.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the user's own results
+    for path in ours:
+        os.replace(path, aside / path.name)
+    return aside
 
 
 def begin_output(
@@ -82,31 +110,28 @@ def _fresh_staging(final: Path, is_ours: Ours, *, force: bool, flag: str) -> Pat
     return staging
 
 
-def commit_output(staging: Path, final: Path, is_ours: Ours) -> None:
-    """Put the complete `staging` in place of `final`. Without foreign files: one directory
-    rename (atomic: readers see the old output or the new). With them (forced): our old
-    files leave first, then the new ones move in, so the user's files never move."""
-    foreign = _foreign(final, is_ours)
-    if not foreign:
-        previous = final.with_name(f".{final.name}.previous")
-        shutil.rmtree(previous, ignore_errors=True)
-        if final.exists():
-            os.replace(final, previous)
+def commit_output(staging: Path, final: Path, is_ours: Ours) -> Path | None:
+    """Put the complete `staging` in place of `final`. A previous output's files are set
+    aside first (`set_aside`; one line says where, and its path is returned), the user's
+    files never move. Into a new directory: one rename (atomic). Into an existing one: each
+    new file is renamed in whole, a manifest last, so a reader of it sees a complete
+    output."""
+    if not final.exists():
         os.replace(staging, final)
-        shutil.rmtree(previous, ignore_errors=True)
         release_output_lock(final)
-        return
-    clash = sorted(p.name for p in foreign if (staging / p.name).exists())
+        return None
+    clash = sorted(p.name for p in _foreign(final, is_ours) if (staging / p.name).exists())
     if clash:
         raise UserError(f"{final}: your file {clash[0]} has the name of an output file; rename it")
-    for old in sorted(final.iterdir()):
-        if is_ours(old):
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    aside = set_aside(final, is_ours)
     new = sorted(staging.iterdir(), key=lambda p: p.name == "manifest.json")  # manifest last
     for path in new:
         os.replace(path, final / path.name)
     staging.rmdir()
     release_output_lock(final)
+    if aside is not None:
+        print(f"{final}: the previous output moved to {aside}", flush=True)
+    return aside
 
 
 def abandon_output(staging: Path) -> None:
@@ -187,6 +212,8 @@ def _try_lock(lock: Path) -> dict | None:
             holder = _read_holder(lock)
             if holder is None:
                 continue  # released between the two calls: try again
+            if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+                return None  # ours already (del-eval holds --out, then writes through here)
             if _alive_here(holder):
                 return holder
             # a dead holder on this host: move its lock aside, then make sure what was

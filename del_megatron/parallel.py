@@ -48,7 +48,7 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
         )
     # each rank on its own GPU before the process group exists: NCCL's communicators then
     # form on that device, not on device 0 of every rank of the node
-    bind_local_device(device, int(os.environ.get("LOCAL_RANK", "0")))
+    bind_local_device(device, os.environ)
     if not dist.is_initialized():
         import deepspeed
 

@@ -69,5 +69,5 @@ OMP_NUM_THREADS=1 bash launch/torchrun.sh --nproc-per-node 2 configs/tiny_cpu.ya
 # del-train has printed how to evaluate and export its checkpoint; training further is the
 # launcher's part here (this script would start over)
 checkpoint=$(find "$RUN/checkpoints" -mindepth 1 -maxdepth 1 -name 'step-*' | sort | tail -n 1)
-say "to train this run further: bash launch/torchrun.sh --nproc-per-node 2" \
+say "to train this run further: bash launch/torchrun.sh --nproc-per-node 2 --resume auto" \
   "$checkpoint/run_config.yaml train.steps=600"

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Continued pretraining on one node: torchrun with one process per GPU (or N CPU processes).
 #
-#   bash launch/torchrun.sh [--nproc-per-node N] [--dry-run] CONFIG [section.field=value ...]
+#   bash launch/torchrun.sh [--nproc-per-node N] [--dry-run] [--resume R] CONFIG [overrides]
 #
 # N defaults to the GPUs nvidia-smi lists (1 without a GPU). The run resumes from the newest
-# checkpoint in its output_dir (--resume auto), so after a stop the same command continues.
+# checkpoint in its output_dir if that run had the same config (--resume same), so after a
+# stop the same command continues; a run of another config there (other data, loss, steps)
+# is refused in one line. --resume auto continues it with the changes docs/checkpoints.md
+# allows (each said in one line); --resume DIR from that checkpoint.
 # SIGTERM or SIGUSR1 to this script (`docker stop` sends SIGTERM to it as the container's
 # first process) goes straight to every rank: they agree, save a checkpoint and exit, and
 # this script exits 75 ("stopped, run me again"). The ranks are signalled directly because
@@ -22,18 +25,21 @@ set -euo pipefail
 
 nproc=""
 dry_run=0
+resume=same
 while [ $# -gt 0 ]; do
   case $1 in
     --nproc-per-node | --nproc_per_node) nproc=$2; shift 2 ;;
     --nproc-per-node=* | --nproc_per_node=*) nproc=${1#*=}; shift ;;
     --dry-run) dry_run=1; shift ;;
-    -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --resume) resume=${2:?--resume needs a value}; shift 2 ;;
+    --resume=*) resume=${1#*=}; shift ;;
+    -h | --help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "torchrun.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
 if [ $# -lt 1 ]; then
-  echo "usage: bash launch/torchrun.sh [--nproc-per-node N] [--dry-run] CONFIG [overrides ...]" >&2
+  echo "usage: bash launch/torchrun.sh [--nproc-per-node N] [--dry-run] [--resume R] CONFIG [overrides ...]" >&2
   exit 2
 fi
 config=$1
@@ -68,7 +74,7 @@ launcher=("$python" -m torch.distributed.run --standalone "--nproc-per-node=$npr
 if "$python" -m torch.distributed.run --help 2>/dev/null | grep -q -- '--shutdown[-_]timeout'; then
   launcher+=("--shutdown-timeout=${DEL_SHUTDOWN_TIMEOUT:-900}")
 fi
-train=(-m del_megatron.cli.train --config "$config" --resume auto)
+train=(-m del_megatron.cli.train --config "$config" --resume "$resume")
 command=("${launcher[@]}" "${train[@]}" "$@")
 # the checks as rank 0 of N: the variables torchrun would set (and none SLURM's would)
 as_rank0=(env RANK=0 LOCAL_RANK=0 "WORLD_SIZE=$nproc")

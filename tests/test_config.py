@@ -41,6 +41,8 @@ def test_dry_run_prints_resolved_config_and_layout(valid, capsys, monkeypatch):
     assert layout["data_parallel"] == 2 and layout["tensor_parallel"] == 2
     assert layout["gradient_accumulation"] == 1
     assert yaml.safe_load(out.split("# layout", 1)[0])["optim"]["lr"] == 1e-3
+    # which of megatron's fusions are on, and why (models/device.choose_fusions)
+    assert "# fusions: bias_activation_fusion off: cpu: megatron's fusions are CUDA" in out
 
 
 MISTAKES = [
@@ -192,6 +194,7 @@ def test_a_cuda_run_is_checked_for_its_device_at_launch_not_in_a_dry_run_here(
     code, out, err = run(capsys, "--config", str(valid), "--dry-run", "train.device=cuda")
     assert code == 0, err
     assert "# note: no CUDA device here; train.device=cuda is checked at launch" in out
+    assert "# fusions: chosen on each GPU node at start: bias_activation_fusion and " in out
     code, _, err = run(capsys, "--config", str(valid), "train.device=cuda")
     assert code == 2
     assert "train.device: device 'cuda' was requested but no CUDA device" in err

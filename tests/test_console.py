@@ -77,3 +77,15 @@ def test_a_cpu_dry_run_plans_no_assumed_gpu(
         "# plan: train.device=cpu: no GPU memory to plan (--gpu-memory GIB plans it for a GPU)"
     )
     assert not any("GiB GPU" in line for line in plan)
+
+
+def test_no_progress_bars_into_a_log(monkeypatch):
+    """A bar's every redraw ends up in a log file: drawn only on a terminal."""
+    import sys
+
+    from del_megatron.cli.arguments import progress_bars
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert not progress_bars(quiet=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert progress_bars(quiet=False) and not progress_bars(quiet=True)

@@ -57,3 +57,6 @@ def test_the_first_hour_runs(tmp_path, synth_corpus, synth_tokenizer, synth_shar
             check=False,
         )
         assert proc.returncode == 0, (body, proc.stdout[-2000:], proc.stderr[-3000:])
+        if "data-tools inspect" in body:  # §2 promises the digit share and a decoded problem
+            assert '"digit_share"' in proc.stdout and "give --tokenizer" not in proc.stdout
+            assert "prompt (not trained on)" in proc.stdout, proc.stdout[-2000:]

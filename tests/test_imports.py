@@ -40,3 +40,16 @@ def test_the_record_is_still_exported_by_the_models_package():
     from del_megatron.models.architecture import LlamaArchitecture as record
 
     assert LlamaArchitecture is record
+
+
+def test_del_eval_help_waits_for_no_torch():
+    """`del-eval --help` took 6 s: torch and megatron-core were imported before argparse ran
+    (by the package's loss exports and the evaluation package)."""
+    probe = (
+        "import sys, del_megatron.cli.eval, del_megatron.evaluation\n"
+        "sys.exit(1 if 'torch' in sys.modules else 0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -32,3 +32,11 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
     return value
+
+
+def progress_bars(quiet: bool) -> bool:
+    """Whether a command draws progress bars: not when asked to be quiet, and not when stderr
+    is no terminal (a log file or a pipe would keep every redraw of the bar)."""
+    import sys
+
+    return not quiet and sys.stderr.isatty()

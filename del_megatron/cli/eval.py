@@ -18,14 +18,16 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
 from ..evaluation.generation import DEFAULT_TEMPLATE, GenerationSettings
 from ..evaluation.harness import LmEvalSettings
 from ..evaluation.heldout import DEFAULT_WINDOW, HeldoutSettings
-from .arguments import non_negative_int, positive_int
+from .arguments import non_negative_int, positive_int, progress_bars
+
+if TYPE_CHECKING:  # torch is imported when a model is evaluated: --help answers at once
+    import torch
 
 
 def _device(requested: str) -> torch.device:
@@ -99,7 +101,9 @@ def evaluate_main(argv: list[str]) -> int:
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--out", type=Path, help="write results.json and results.md here")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bars (nor when stderr is no terminal)"
+    )
     args = parser.parse_args(argv)
     try:
         args.template.format(question="")
@@ -149,7 +153,7 @@ def evaluate_main(argv: list[str]) -> int:
             generation=generation,
             lm_eval=lm_eval,
             seq_len=args.seq_len,
-            progress=not args.quiet,
+            progress=progress_bars(args.quiet),
         )
         print(markdown_table(results), end="", flush=True)  # shown before it is written
         if "lm_eval" in results:

@@ -95,7 +95,13 @@ def _cuda_available() -> bool:
 
 
 def _node_leader() -> bool:
-    return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0"
+    """The first rank of its node: torchrun's LOCAL_RANK (it sets LOCAL_WORLD_SIZE too), else
+    SLURM's task id on the node (under srun, LOCAL_RANK names the rank's device once it is
+    bound: models/device.bind_local_device)."""
+    env = os.environ
+    if "LOCAL_WORLD_SIZE" in env or "SLURM_LOCALID" not in env:
+        return env.get("LOCAL_RANK", "0") == "0"
+    return env["SLURM_LOCALID"] == "0"
 
 
 # Set by our launchers (launch/torchrun.sh): a directory where a rank that stops on a user's
@@ -147,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--resume",
         default="none",
-        help="'auto' (the newest complete checkpoint in output_dir, if any), a checkpoint "
-        "directory, or 'none' (the default)",
+        help="'auto' (the newest complete checkpoint in output_dir, if any, with the changes "
+        "docs/checkpoints.md allows), 'same' (as auto, for a run of the same config only: "
+        "the launchers' default), a checkpoint directory, or 'none' (the default)",
     )
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
@@ -178,20 +185,26 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:  # the config and the plan first: they help also when a check fails
             print(dump_run_config(cfg), end="")
             print("\n".join(f"# plan: {line}" for line in plan_lines), flush=True)
+            from ..models.device import planned_fusions
+
+            print("\n".join(f"# fusions: {line}" for line in planned_fusions(cfg.train.device)))
             device_here = cfg.train.device == "cpu" or _cuda_available()
             if not device_here:
                 device = cfg.train.device
                 print(f"# note: no CUDA device here; train.device={device} is checked at launch")
             layout = preflight(cfg, world, device_here=device_here, resume=args.resume)
+            changes = layout.pop("resume_changes")
             print("# layout: " + json.dumps(layout))
+            print("".join(f"# {line}\n" for line in changes), end="", flush=True)
             return 0
         if args.check:
             layout = preflight(cfg, world, resume=args.resume)
-            start = layout["resume_step"]
+            start, changes = layout["resume_step"], len(layout["resume_changes"])
             print(
                 f"del-train: checks passed: {world} rank(s), tensor parallel "
                 f"{layout['tensor_parallel']} x data parallel {layout['data_parallel']}, "
-                + (f"resuming at step {start}" if start is not None else "starting at step 0"),
+                + (f"resuming at step {start}" if start is not None else "starting at step 0")
+                + (f" ({changes} change(s), said at the start)" if changes else ""),
                 flush=True,
             )
             return 0

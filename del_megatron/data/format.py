@@ -180,7 +180,12 @@ def read_manifest(url: str, *, allow_pipe: bool = False) -> Manifest:
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise DataError(f"{url}: not a shard manifest ({where}: {first['msg']})") from None
+        hint = (
+            "; corpora become shards with `data-tools build FILE -o DIR --tokenizer MODEL`"
+            if url.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".parquet", ".txt"))
+            else ""
+        )
+        raise DataError(f"{url}: not a shard manifest ({where}: {first['msg']}){hint}") from None
     if manifest.version > FORMAT_VERSION:
         raise DataError(
             f"{url}: manifest version {manifest.version} is newer than this del-megatron reads "

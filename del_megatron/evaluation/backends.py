@@ -45,6 +45,8 @@ def max_positions(path: Path) -> int:
 
 
 def model_kind(path: Path) -> str:
+    if not path.exists():
+        raise UserError(f"{path}: does not exist{_steps_beside(path)}")
     if (path / WEIGHTS / "arch.json").is_file():
         return "checkpoint"
     if (path / "config.json").is_file():
@@ -53,6 +55,17 @@ def model_kind(path: Path) -> str:
         f"{path}: neither a del-megatron checkpoint (model/arch.json) nor a Hugging Face "
         "model directory (config.json)"
     )
+
+
+def _steps_beside(path: Path) -> str:
+    """The checkpoints that do exist where `path` was looked for ('' when there are none)."""
+    from ..training.checkpoint import complete_checkpoints
+
+    steps = [p.name for p in complete_checkpoints(path.parent)]
+    if not steps:
+        return ""
+    shown = ", ".join(steps if len(steps) <= 6 else [*steps[:2], "...", *steps[-3:]])
+    return f" ({path.parent} holds {shown})"
 
 
 def check_vocabulary(model_rows: int, tokenizer: Tokenizer, where: str) -> None:
@@ -107,7 +120,14 @@ def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
     arch = weights.arch
     check_vocabulary(arch.vocab_size, tokenizer, f"{path}/{WEIGHTS}/arch.json")
     _single_process_groups()
-    model = build_llama(arch, tokenizer.digit_vocab, NumericLossConfig(kind="mle"), device)
+    model = build_llama(
+        arch,
+        tokenizer.digit_vocab,
+        NumericLossConfig(kind="mle"),
+        device,
+        seed=0,  # nothing is drawn: every weight is loaded, no dropout in evaluation
+        weights_follow=True,
+    )
     load_megatron(model, weights, arch.padded_vocab_size(1))
     model.eval()
     vocab = tokenizer.vocab_size  # columns past the tokenizer's are padding, as in training

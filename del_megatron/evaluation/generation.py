@@ -2,9 +2,11 @@
 the final answer extracted and compared with Hugging Face's math-verify.
 
 Problems are jsonl records with `question` and `answer`; the gold answer is what follows
-`####` in `answer` (GSM8K), or the whole `answer` when there is none (the synthetic
-corpus's held-out problems). A completion's answer is what follows its last `####`, else
-the completion up to the first blank line; math-verify parses both (it reads "1,000", "$5",
+`####` in `answer` (GSM8K), else what follows its last "The answer is", else the whole
+`answer` when it is one word (the synthetic corpus's held-out problems: "42"); any other
+answer is refused naming its line, rather than a whole worked solution taken as the gold.
+A completion's answer is what follows its last `####`, else the completion up to the first
+blank line; math-verify parses both (it reads "1,000", "$5",
 "5.00", fractions, LaTeX) and decides equality.
 """
 
@@ -12,14 +14,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 STOPS = ("\n\n", "\nQuestion:")
@@ -50,8 +54,18 @@ class Problem:
     gold: str  # the final answer
 
 
-def gold_of(answer: str) -> str:
-    return answer.rsplit("####", 1)[1].strip() if "####" in answer else answer.strip()
+_THE_ANSWER_IS = re.compile(r"the answer is:?\s*(\S+?)\.?\s*$", re.IGNORECASE)
+
+
+def gold_of(answer: str) -> str | None:
+    """The final answer of a reference answer (None: it states none)."""
+    if "####" in answer:
+        return answer.rsplit("####", 1)[1].strip() or None
+    last = answer.strip().splitlines()[-1] if answer.strip() else ""
+    found = _THE_ANSWER_IS.search(last)
+    if found:
+        return found.group(1)
+    return answer.strip() if answer.strip() and len(answer.split()) == 1 else None
 
 
 def load_problems(path: Path, limit: int | None = None) -> list[Problem]:
@@ -65,13 +79,17 @@ def load_problems(path: Path, limit: int | None = None) -> list[Problem]:
             continue
         try:
             record = json.loads(line)
-            problems.append(
-                Problem(record["question"], record["answer"], gold_of(record["answer"]))
-            )
+            gold = gold_of(record["answer"])
+            problems.append(Problem(record["question"], record["answer"], gold))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
             raise UserError(
                 f"{path} line {number}: not a problem with 'question' and 'answer' ({err})"
             ) from None
+        if gold is None:
+            raise UserError(
+                f"{path} line {number}: the answer states no final answer: end it with "
+                "'#### N' (GSM8K's format) or 'The answer is N', or give the bare answer"
+            )
         if limit is not None and len(problems) >= limit:
             break
     if not problems:
@@ -141,6 +159,7 @@ def generate_transformers(
     model, tokenizer, prompts: list[str], *, max_new_tokens: int, batch_size: int, progress: bool
 ) -> list[str]:
     """Greedy continuations, batched with left padding (the pad positions masked)."""
+    import torch
     from tqdm import tqdm
 
     device = next(model.parameters()).device

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from ..outputs import write_text_atomic
+from ..outputs import abandon_output, begin_output, commit_output
 
 SUMMARY = [  # (label, path in results.json, format)
     # teacher-forced cross entropy: not a training objective's CE + alpha * numeric term
@@ -55,11 +55,26 @@ def markdown_table(results: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+RESULT_FILES = ("results.json", "results.md")
+
+
 def write_results(out: Path, results: dict) -> None:
-    write_text_atomic(out / "results.json", json.dumps(results, indent=1, sort_keys=True) + "\n")
-    write_text_atomic(
-        out / "results.md", f"# {results.get('model', 'evaluation')}\n\n" + markdown_table(results)
-    )
+    """results.json and results.md in `out`, put in place together when both are written;
+    an earlier evaluation's are set aside (del_megatron/outputs.py), other files kept."""
+
+    def is_ours(path: Path) -> bool:
+        return path.name in RESULT_FILES
+
+    staging = begin_output(out, is_ours, force=True)  # beside the user's files, e.g. metrics
+    try:
+        (staging / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        (staging / "results.md").write_text(
+            f"# {results.get('model', 'evaluation')}\n\n" + markdown_table(results)
+        )
+        commit_output(staging, out, is_ours)
+    except BaseException:
+        abandon_output(staging)
+        raise
 
 
 def mean_and_spread(values: list[float]) -> tuple[float, float]:

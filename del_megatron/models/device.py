@@ -1,22 +1,47 @@
 """Every device-dependent choice of the model, in one place.
 
-GPU: Transformer Engine layer spec when installed (fused kernels, flash attention), bf16,
-fusions on. CPU: megatron-core's local spec with a scaled-dot-product core attention and a
-rotary embedding kept on the CPU, float32, fusions off. The CPU shims are applied only when
-the device is the CPU.
+GPU: Transformer Engine layer spec when installed (fused kernels, flash attention), else
+megatron-core's local spec with torch's scaled-dot-product core attention; bf16; fusions
+where they work. CPU: the local spec with the same core attention and a rotary embedding
+kept on the CPU, float32, fusions off. The CPU shims are applied only when the device is
+the CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+
+<<<<<<< HEAD
+from ..errors import UserError, one_line
+=======
+
+def _quiet_cpu_only_notices() -> None:
+    """megatron-core's tensor-parallel layers recommend CUDA_DEVICE_MAX_CONNECTIONS=1 on every
+    forward, also on CPU (gloo), where there is no CUDA stream it could apply to. On a GPU the
+    advice stands (del-train sets the variable itself), so it is silenced only without one.
+    Here, where every model is built, rather than on `import del_megatron` (which must not
+    wait for torch)."""
+    import warnings
+
+    if not torch.cuda.is_available():
+        warnings.filterwarnings(
+            "ignore", message="When using async grad allreduce", category=UserWarning
+        )
+
+
+_quiet_cpu_only_notices()
+>>>>>>> resume
 
 FUSION_FLAGS = (
     "bias_activation_fusion",
@@ -75,12 +100,42 @@ def process_group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def bind_local_device(device: torch.device, local_rank: int) -> None:
-    """Each rank of a node on its own GPU. A cluster that binds GPUs to tasks (srun
-    --gpus-per-task, --gpu-bind) shows each rank fewer devices than ranks per node; the
-    local rank modulo the visible devices is right in both cases."""
-    if device.type == "cuda":
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+def local_device_index(env: Mapping[str, str], device_count: int) -> int:
+    """The CUDA device (an index among those this process sees) of this rank.
+
+    env: the process environment (LOCAL_RANK, or SLURM_LOCALID under srun; LOCAL_WORLD_SIZE
+    when torchrun started it); device_count: the devices this process sees (after
+    CUDA_VISIBLE_DEVICES). Every rank of a node that sees the node's devices (torchrun, srun
+    without GPU binding) takes its local rank; a task bound to one GPU (srun
+    --gpus-per-task=1, --gpu-bind) sees that GPU alone, as device 0, whatever its local rank.
+    Anything else would put two ranks on one device (NCCL refuses it) or leave the choice to
+    chance: one line naming what was seen.
+    """
+    local = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
+    if device_count < 1:
+        raise UserError("train.device=cuda but this process sees no CUDA device")
+    if local < device_count:
+        return local
+    if device_count == 1 and "LOCAL_WORLD_SIZE" not in env:  # srun's per-task binding
+        return 0
+    visible = env.get("CUDA_VISIBLE_DEVICES", "unset")
+    raise UserError(
+        f"local rank {local} but this process sees {device_count} CUDA device(s) "
+        f"(CUDA_VISIBLE_DEVICES={visible}): start one rank per GPU (torchrun --nproc_per_node "
+        "at most the GPUs, or srun --gpus-per-task=1)"
+    )
+
+
+def bind_local_device(device: torch.device, env: MutableMapping[str, str]) -> None:
+    """Each rank of a node on its own GPU (`local_device_index`), before the process group
+    exists. DeepSpeed binds `cuda:LOCAL_RANK` itself (deepspeed/comm/torch.py device_id,
+    engine `_set_distributed_vars`, ZeRO 3's `Init`): LOCAL_RANK is set to the same index
+    (it differs from the launcher's only under srun, whose SLURM_LOCALID stays)."""
+    if device.type != "cuda":
+        return
+    index = local_device_index(env, torch.cuda.device_count())
+    env["LOCAL_RANK"] = str(index)
+    torch.cuda.set_device(index)
 
 
 def batch_to_device(
@@ -125,6 +180,20 @@ def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:
     }
 
 
+def seed_rngs(seed: int, *, cuda_tracker: bool) -> None:
+    """torch's generators (every device) and, with `cuda_tracker`, megatron's tensor-parallel
+    CUDA RNG tracker. A model built for CUDA (`use_cpu_initialization=False`) draws from the
+    tracker: megatron's weight init (`_initialize_affine_weight_gpu`), dropout inside
+    tensor-parallel regions and activation recompute fork it, and an unseeded tracker raises
+    "cuda rng state model-parallel-rng is not added". Every build seeds it first
+    (models/llama.model_config)."""
+    torch.manual_seed(seed)
+    if cuda_tracker:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
 def model_dtype(device: torch.device) -> torch.dtype:
     """Parameters and activations: bf16 on GPU, float32 on CPU."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -132,24 +201,122 @@ def model_dtype(device: torch.device) -> torch.dtype:
 
 def transformer_config_overrides(device: torch.device) -> dict[str, Any]:
     """TransformerConfig fields that depend on the device."""
-    if device.type == "cpu":
-        return {
-            "use_cpu_initialization": True,
-            "params_dtype": model_dtype(device),
-            "bf16": False,
-            **dict.fromkeys(FUSION_FLAGS, False),
-        }
+    cpu = device.type == "cpu"
     return {
-        "use_cpu_initialization": False,
+        "use_cpu_initialization": cpu,
         "params_dtype": model_dtype(device),
-        "bf16": True,
-        "bias_activation_fusion": True,
-        "bias_dropout_fusion": True,
-        # megatron's fused softmax kernels come with Transformer Engine / Apex builds
-        "masked_softmax_fusion": transformer_engine_available(),
-        "apply_rope_fusion": transformer_engine_available(),
-        "gradient_accumulation_fusion": False,
+        "bf16": not cpu,
+        **device_fusions(device).flags,
     }
+
+
+def device_fusions(device: torch.device) -> Fusions:
+    """The fusion flags of a model built on `device`, with their reasons (probed on CUDA)."""
+    if device.type != "cuda":
+        return choose_fusions(device.type, transformer_engine=False, compile_error=None)
+    return choose_fusions(
+        device.type,
+        transformer_engine=transformer_engine_available(),
+        compile_error=compile_probe(device.type),
+    )
+
+
+def planned_fusions(requested: str) -> list[str]:
+    """--dry-run's account of the fusion flags of train.device=`requested`: chosen here when
+    the device is here (CPU, or a CUDA device this process sees: the probe runs), else said
+    to be chosen on each GPU node at start."""
+    if requested != "cpu" and not torch.cuda.is_available():
+        return [
+            "chosen on each GPU node at start: "
+            + " and ".join(COMPILED_FUSIONS)
+            + " where torch.compile runs a tiny fused call, apply_rope_fusion and "
+            "masked_softmax_fusion where Transformer Engine is installed"
+        ]
+    return device_fusions(resolve_device(requested)).lines()
+
+
+# megatron-core 0.16's fusions of these two go through megatron.core.jit.jit_fuser, which is
+# torch.compile: Inductor and Triton at the first step of every process, which need a C
+# compiler and Python's headers on every node
+COMPILED_FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion")
+
+
+@dataclass(frozen=True)
+class Fusions:
+    flags: dict[str, bool]  # every name of FUSION_FLAGS
+    reasons: dict[str, str]  # why each is on or off
+
+    def lines(self) -> list[str]:
+        return [f"{n} {'on' if self.flags[n] else 'off'}: {self.reasons[n]}" for n in FUSION_FLAGS]
+
+
+def choose_fusions(
+    device_type: str, *, transformer_engine: bool, compile_error: str | None
+) -> Fusions:
+    """megatron's fusion flags on `device_type`, each with its reason.
+
+    transformer_engine: TE is installed (its fused RoPE; its attention, whose softmax is
+    fused). compile_error: None when megatron's compiled fusions ran here (`compile_probe`),
+    else why they did not (one line).
+    """
+    if device_type != "cuda":
+        reason = f"{device_type}: megatron's fusions are CUDA kernels or compiled for CUDA"
+        return Fusions(dict.fromkeys(FUSION_FLAGS, False), dict.fromkeys(FUSION_FLAGS, reason))
+    if compile_error is None:
+        compiled = (True, "torch.compile (megatron's jit_fuser) ran a tiny fused call here")
+    else:
+        compiled = (False, f"torch.compile fails here ({compile_error}); unfused PyTorch ops")
+    te = transformer_engine
+    chosen = {
+        **dict.fromkeys(COMPILED_FUSIONS, compiled),
+        "apply_rope_fusion": (te, "Transformer Engine's fused RoPE" if te else "needs TE"),
+        "masked_softmax_fusion": (
+            te,
+            "Transformer Engine's attention" if te else "torch SDPA fuses its own softmax",
+        ),
+        "persist_layer_norm": (False, "an Apex kernel; RMSNorm is torch's or TE's"),
+        "gradient_accumulation_fusion": (
+            False,
+            "writes megatron's main_grad, which DeepSpeed does not use",
+        ),
+    }
+    return Fusions({n: chosen[n][0] for n in FUSION_FLAGS}, {n: chosen[n][1] for n in FUSION_FLAGS})
+
+
+@functools.cache
+def compile_probe(device_type: str) -> str | None:
+    """None when megatron's compiled fusions (SwiGLU, bias-dropout-add) run forward and
+    backward on a tiny bf16 input on this device, else why not (one line). Once a process;
+    in a distributed run the answer is agreed by every rank (one that fails turns them off
+    everywhere: the ranks of a tensor-parallel group must compute their replicated
+    activations alike)."""
+    from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    error = None
+    try:
+        x = torch.randn(4, 1, 16, device=device_type, dtype=torch.bfloat16, requires_grad=True)
+        y = bias_swiglu_impl(x, None)
+        out = bias_dropout_add_fused_train((y, None), torch.zeros_like(y), 0.0)
+        out.float().sum().backward()
+        synchronize(x.device)
+    except Exception as err:  # whatever the compiler raises: the flags go off
+        error = one_line(f"{type(err).__name__}: {err}")[:200]
+    return _agreed_failure(error, device_type)
+
+
+def _agreed_failure(error: str | None, device_type: str) -> str | None:
+    import torch.distributed as dist
+
+    from .. import collectives
+
+    if not dist.is_initialized():
+        return error
+    failed = torch.tensor(float(error is not None), device=device_type)
+    collectives.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() and error is None:
+        return "it failed on another rank"
+    return error
 
 
 def gpt_layer_spec(device: torch.device, *, qk_layernorm: bool = False):
@@ -161,9 +328,12 @@ def gpt_layer_spec(device: torch.device, *, qk_layernorm: bool = False):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         normalization="RMSNorm", qk_layernorm=qk_layernorm
     )
-    if device.type == "cpu":
-        # The stock local attention allocates a buffer on torch.cuda.current_device().
-        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    # megatron's local DotProductAttention materialises the scores [b, heads/tp, s, s] and
+    # fp32 softmax copies (several GiB a layer at 7B widths, s=4096) and allocates them on
+    # torch.cuda.current_device() (so it cannot run on CPU): torch's SDPA instead, on CUDA
+    # its flash / memory-efficient / cuDNN kernels (no [s, s] tensor, as the memory plan
+    # assumes), on CPU its fused CPU kernel
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 
 
@@ -190,7 +360,10 @@ class CPURotaryEmbedding(RotaryEmbedding):
 
 
 class SDPACoreAttention(MegatronModule):
-    """Causal core attention on torch's scaled_dot_product_attention (CPU path).
+    """Causal core attention on torch's scaled_dot_product_attention: the core attention of
+    every run without Transformer Engine (CPU, and CUDA without TE). The math of megatron's
+    local DotProductAttention (softmax(q k^T * scale, causal) v, each k/v group serving
+    heads/groups query heads), tested equal in values and gradients.
 
     query [sq, b, heads/tp, d], key/value [sk, b, groups/tp, d] -> [sq, b, heads/tp * d].
     """
@@ -231,16 +404,22 @@ class SDPACoreAttention(MegatronModule):
             key = key.repeat_interleave(repeat, dim=2)
             value = value.repeat_interleave(repeat, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
-        context = torch.nn.functional.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
+        dropout = self.dropout if self.training else 0.0
+        # dropout of this rank's heads draws from the tensor-parallel generator (as megatron's
+        # own attention does); megatron's tracker exists on CUDA only
+        fork = _tensor_parallel_rng if dropout and query.is_cuda else contextlib.nullcontext
+        with fork():
+            context = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout
+            )
         sq, b = query.shape[0], query.shape[1]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads_per_partition * self.head_dim)
+
+
+def _tensor_parallel_rng():
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.get_cuda_rng_tracker().fork()
 
 
 def _tp_world_size() -> int:

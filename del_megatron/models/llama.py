@@ -10,7 +10,7 @@ import torch
 
 from ..losses import DigitVocab, NumericLossConfig
 from .architecture import LlamaArchitecture
-from .device import apply_device_shims, gpt_layer_spec, transformer_config_overrides
+from .device import apply_device_shims, gpt_layer_spec, seed_rngs, transformer_config_overrides
 from .gpt import NumericLossGPTModel
 
 
@@ -41,20 +41,49 @@ def transformer_config(arch: LlamaArchitecture, device: torch.device, **override
     return TransformerConfig(**fields)
 
 
+def model_config(
+    arch: LlamaArchitecture,
+    device: torch.device,
+    *,
+    seed: int,
+    weights_follow: bool,
+    **overrides: Any,
+):
+    """The TransformerConfig every megatron layer of ours is built with (the trainer, del-eval's
+    checkpoint backend, the benches), after seeding the generators its build and forward draw
+    from (`device.seed_rngs`: megatron's CUDA RNG tracker whenever the config builds for CUDA).
+
+    weights_follow: the caller loads every parameter right after the build, so megatron's
+    random initialization is skipped (`perform_initialization=False`: nothing drawn, the
+    parameters left uninitialized until the load).
+    """
+    config = transformer_config(
+        arch, device, **{"perform_initialization": not weights_follow, **overrides}
+    )
+    seed_rngs(seed, cuda_tracker=not config.use_cpu_initialization)
+    return config
+
+
 def build_llama(
     arch: LlamaArchitecture,
     digit_vocab: DigitVocab,
     loss_config: NumericLossConfig,
     device: torch.device,
+    *,
+    seed: int,
+    weights_follow: bool = False,
     **config_overrides: Any,
 ) -> NumericLossGPTModel:
-    """A megatron-core GPTModel of `arch` whose loss is the numeric loss hook.
+    """A megatron-core GPTModel of `arch` whose loss is the numeric loss hook, built from
+    `model_config` (seeded; no random init when `weights_follow`).
 
     Needs megatron's parallel state initialized (tensor parallel size taken from it).
     """
     tp = _tp_size()
     arch.check_tensor_parallel(tp)
-    config = transformer_config(arch, device, **config_overrides)
+    config = model_config(
+        arch, device, seed=seed, weights_follow=weights_follow, **config_overrides
+    )
     model = NumericLossGPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(device),

@@ -125,6 +125,8 @@ def _write(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) ->
             "versions": _versions(),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if run.schedule is not None:
+            run.schedule.save(tmp)  # a resume follows the same function (training/schedule.py)
     collectives.barrier()
     checkpoint_files.write_index(tmp, hashed, run.rank, run.world)  # gathers: a barrier
     if run.is_main:
@@ -210,11 +212,9 @@ def derived_seed(seed: int, step: int, dp_rank: int) -> int:
 
 
 def seed_rng(seed: int, device: torch.device) -> None:
-    torch.manual_seed(seed)
-    if device.type == "cuda":
-        from megatron.core import tensor_parallel
+    from ..models.device import seed_rngs
 
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    seed_rngs(seed, cuda_tracker=device.type == "cuda")
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
@@ -239,11 +239,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def resolve(resume: str, output_dir: str) -> Path | None:
-    """'none' -> None; 'auto' -> the newest complete checkpoint (None if there is none);
-    anything else is a checkpoint directory that must exist."""
+    """'none' -> None; 'auto' and 'same' -> the newest complete checkpoint (None if there is
+    none); anything else is a checkpoint directory that must exist."""
     if resume == "none":
         return None
-    if resume == "auto":
+    if resume in ("auto", "same"):  # same: auto, for the same config (resume_changes.py)
         found = complete_checkpoints(root_of(output_dir))
         return found[-1] if found else None
     path = Path(resume)
@@ -412,7 +412,7 @@ def _load_deepspeed(run: Any, path: Path) -> None:
     except Exception as err:  # DeepSpeed raises whatever its torch.load or asserts raise
         raise CheckpointError(
             f"{path}: cannot load the model/optimizer state "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+            f"({type(err).__name__}: {one_line(str(err))[:300]})"
         ) from None
     if loaded is None:
         raise CheckpointError(f"{path}: no DeepSpeed state under tag '{DEEPSPEED_TAG}'")

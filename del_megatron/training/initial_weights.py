@@ -52,11 +52,11 @@ def check_architecture(model: LlamaArchitecture, found: LlamaArchitecture, where
             )
 
 
-def initialize_weights(cfg: RunConfig, model: torch.nn.Module) -> None:
-    """Load the initial weights, if any, into this rank's shards."""
+def initialize_weights(cfg: RunConfig, model: torch.nn.Module, opened: Initial | None) -> None:
+    """Load the initial weights `opened` (`open_initial_weights`), if any, into this rank's
+    shards: every parameter, so the build skipped megatron's random init."""
     from ..models.weights import load_hf, load_megatron
 
-    opened = open_initial_weights(cfg)
     if opened is None:
         return
     source, arch = opened

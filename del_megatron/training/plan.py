@@ -3,10 +3,11 @@ stage (the accounting of DeepSpeed's own estimators, which a test checks), activ
 configured micro-batch, sequence and recompute, the logits of the loss, against the device.
 
 Activations are an estimate for megatron-core's Llama layer in bf16 without sequence
-parallelism and with flash attention (no [s, s] score matrix kept): per layer the
-layer-norm inputs and outputs, q/k/v, the attention output, SwiGLU's two fc1 outputs and the
-activation, i.e. 2 bytes x s x b x (4h + (q + 2kv + q + 3f) / tp). With full recompute a
-layer keeps only its input (2 s b h) and one layer's activations exist at a time.
+parallelism and with flash attention (no [s, s] score matrix kept: Transformer Engine's
+attention, or without it torch SDPA's fused kernels, models/device.SDPACoreAttention): per
+layer the layer-norm inputs and outputs, q/k/v, the attention output, SwiGLU's two fc1
+outputs and the activation, i.e. 2 bytes x s x b x (4h + (q + 2kv + q + 3f) / tp). With full
+recompute a layer keeps only its input (2 s b h) and one layer's activations exist at a time.
 """
 
 from __future__ import annotations

@@ -35,20 +35,24 @@ def _writable(directory: Path) -> None:
         raise ConfigError(f"output_dir={directory}: {existing} is not writable")
 
 
-def _resume_point(cfg: RunConfig, resume: str, fingerprint: str, world: int) -> int | None:
-    """The step a run resumes at (None: from the start); refuses a fresh start over another
-    run's checkpoints, which it would mix with and prune."""
-    from . import checkpoint
+def _resume_point(
+    cfg: RunConfig, resume: str, fingerprint: str, world: int
+) -> tuple[int | None, list[str]]:
+    """The step a run resumes at (None: from the start) and the lines saying what the resume
+    changes (training/resume_changes.py, which refuses what may not change); refuses a fresh
+    start over another run's checkpoints, which it would mix with and prune."""
+    from . import checkpoint, resume_changes
 
     try:
         path = checkpoint.resolve(resume, cfg.output_dir)
         if path is not None:
+            changes = resume_changes.review(path, cfg, resume, tokenizer=fingerprint)
             step = checkpoint.check(path, cfg, fingerprint, world)["step"]
             states = json.loads((path / "data_state.json").read_text())  # checked: readable
             check_resumable(
                 states, cfg.data_parallel_size(world), cfg.data.num_workers, len(cfg.data.sources)
             )
-            return step
+            return step, changes.lines
     except checkpoint.CheckpointError as err:
         raise ConfigError(f"--resume {resume}: {err}") from None
     except DataError as err:
@@ -59,7 +63,7 @@ def _resume_point(cfg: RunConfig, resume: str, fingerprint: str, world: int) -> 
             f"output_dir={cfg.output_dir} holds checkpoints of an earlier run (newest "
             f"{found[-1].name}): --resume auto to continue it, or choose another output_dir"
         )
-    return None
+    return None, []
 
 
 def preflight(
@@ -107,9 +111,10 @@ def preflight(
             "logging.wandb=online needs WANDB_API_KEY in the environment (or logging.wandb="
             "offline, synced later with `wandb sync`)"
         )
-    resumes_at = _resume_point(cfg, resume, fingerprint, world)
+    resumes_at, changes = _resume_point(cfg, resume, fingerprint, world)
     return {
         "resume_step": resumes_at,
+        "resume_changes": changes,
         "world_size": world,
         "tensor_parallel": cfg.parallel.tensor_parallel,
         "data_parallel": dp,

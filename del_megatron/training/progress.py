@@ -23,6 +23,12 @@ def building(cfg: RunConfig, world: int) -> None:
     )
 
 
+def model_built(parameters: int) -> None:
+    """Between the model and the engine: DeepSpeed's import and set-up take most of a first
+    start's half minute, which a user would otherwise watch in silence."""
+    say(f"model built ({parameters:,} parameters); starting DeepSpeed's engine")
+
+
 def held_out(cfg: RunConfig, when: str) -> None:
     if cfg.eval.sources:
         say(f"held-out evaluation {when} ({cfg.eval.max_batches} batches at most)")

@@ -29,9 +29,9 @@ from ..models.device import (
 )
 from ..outputs import agreed_output_lock
 from . import progress
-from .initial_weights import initialize_weights
+from .initial_weights import initialize_weights, open_initial_weights
 from .metrics import PairSum, Reporter, StepMetrics, means
-from .schedule import lr_factor
+from .schedule import Schedule, reapply, rebase
 from .signals import StopRequest, agree
 
 BatchSource = Callable[[int, int], dict[str, torch.Tensor]]  # (step, micro) -> batch
@@ -64,6 +64,7 @@ class Run:
     engine: Any
     scheduler: Any
     tokenizer: Any
+    schedule: Schedule | None = None  # what the scheduler follows; saved with each checkpoint
     flops_per_token: float = 0.0
     peak_flops: float | None = None  # per device, for MFU (None: unknown device)
     nonfinite_in_a_row: int = 0
@@ -80,12 +81,13 @@ class Run:
         return self.rank == 0
 
 
-def setup(cfg: RunConfig) -> Run:
+def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
+    """schedule: the learning-rate schedule (default: the config's; a resume passes the one
+    `resume_changes.review` gives)."""
     device = resolve_device(cfg.train.device)
     select_accelerator(device)
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
-    from ..models import build_llama
     from ..parallel import MegatronMPU, init_distributed, init_model_parallel
     from ..tokenizer import Tokenizer
 
@@ -93,35 +95,22 @@ def setup(cfg: RunConfig) -> Run:
     dp_size = cfg.data_parallel_size(world)
     accumulation = cfg.accumulation_steps(world)
     init_model_parallel(cfg.parallel.tensor_parallel)
-    torch.manual_seed(cfg.train.seed)
-    if device.type == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
-
     tokenizer = Tokenizer(cfg.tokenizer_path())
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
             f"tokenizer's {tokenizer.vocab_size} tokens"
         )
-    model = build_llama(
-        cfg.model,
-        tokenizer.digit_vocab,
-        cfg.loss,
-        device,
-        **recompute_overrides(device, cfg.train.activation_checkpointing),
-    )
-    initialize_weights(cfg, model)
-    model.freeze_emo_cost_embedding()  # from the weights the run starts from
+    model = build_model(cfg, device, tokenizer)
+    params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tensor_parallel
+    progress.model_built(params)
 
     import deepspeed
 
-    steps, warmup = cfg.train.steps, int(cfg.optim.warmup_fraction * cfg.train.steps)
-    min_ratio = cfg.optim.min_lr / cfg.optim.lr
+    schedule = schedule or Schedule.of_config(cfg)
 
     def scheduler(optimizer):
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_factor(s, total=steps, warmup=warmup, min_ratio=min_ratio)
-        )
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
 
     engine, _, _, lr_scheduler = deepspeed.initialize(
         model=model,
@@ -130,7 +119,6 @@ def setup(cfg: RunConfig) -> Run:
         mpu=MegatronMPU(),
         lr_scheduler=scheduler,
     )
-    params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tensor_parallel
     arch = cfg.model
     flops = 6 * params + 12 * arch.num_layers * arch.hidden_size * cfg.train.seq_len
     return Run(
@@ -144,9 +132,32 @@ def setup(cfg: RunConfig) -> Run:
         engine=engine,
         scheduler=lr_scheduler,
         tokenizer=tokenizer,
+        schedule=schedule,
         flops_per_token=float(flops),
         peak_flops=peak_flops(device),
     )
+
+
+def build_model(cfg: RunConfig, device: torch.device, tokenizer) -> torch.nn.Module:
+    """The run's model on `device` (megatron's parallel state initialized): built by the one
+    builder (`models/llama.build_llama`: RNGs seeded with train.seed, megatron's random init
+    skipped when initial weights load right after), the initial weights loaded, the EMO cost
+    embedding frozen from them."""
+    from ..models import build_llama
+
+    initial = open_initial_weights(cfg)
+    model = build_llama(
+        cfg.model,
+        tokenizer.digit_vocab,
+        cfg.loss,
+        device,
+        seed=cfg.train.seed,
+        weights_follow=initial is not None,
+        **recompute_overrides(device, cfg.train.activation_checkpointing),
+    )
+    initialize_weights(cfg, model, initial)
+    model.freeze_emo_cost_embedding()  # from the weights the run starts from
+    return model
 
 
 def trace_file(cfg: RunConfig, dp_rank: int) -> str | None:
@@ -320,11 +331,15 @@ def train(
     A stop signal (SIGTERM, SIGUSR1) on any rank: every rank saves the checkpoint of the step
     just finished and returns with `stopped` set (no final save, no evaluation after).
     """
-    from . import checkpoint
+    from . import checkpoint, resume_changes
 
     # StopRequest first: a signal during set-up is a stop, not a kill
     with StopRequest() as stop, contextlib.ExitStack() as held:
-        run = setup(cfg)
+        path = checkpoint.resolve(resume, cfg.output_dir)
+        changes = resume_changes.review(path, cfg, resume) if path is not None else None
+        for line in changes.lines if changes else []:
+            progress.say(line)
+        run = setup(cfg, changes.schedule if changes else None)
         # one job writes an output_dir: a second is refused on every rank (outputs.py)
         held.enter_context(agreed_output_lock(Path(cfg.output_dir), leader=run.is_main))
         loader = None
@@ -338,12 +353,15 @@ def train(
             )
         result = TrainResult()
         start = 0
-        path = checkpoint.resolve(resume, cfg.output_dir)
         if run.is_main:
             checkpoint.remove_partial(cfg.output_dir)
         if path is not None:
             progress.say(f"loading {path}")
             start = checkpoint.load(run, path, loader)
+            if changes.peak_changed:  # the saved state holds the old peak and its rate
+                rebase(run.scheduler, cfg.optim.lr)
+            elif changes.schedule_changed:  # ... the old schedule's rate at this position
+                reapply(run.scheduler)
             if run.is_main:
                 print(f"resumed from {path} at step {start}", flush=True)
         source = iter(loader) if loader is not None else batches

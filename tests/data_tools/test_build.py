@@ -199,7 +199,9 @@ def test_killed_rebuild_leaves_the_previous_build_and_a_rerun_replaces_it(
     for entry in manifest.shards:
         read_shard(str(out / entry.name), entry, allow_pipe=False)
     assert manifest.documents == 20000
-    assert sorted(p.name for p in out.iterdir()) == sorted(
+    [aside] = out.glob("previous-*")  # the first build, set aside whole
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == before
+    assert sorted(p.name for p in out.iterdir() if p != aside) == sorted(
         ["manifest.json", *(e.name for e in manifest.shards)]
     )
     assert not list(tmp_path.glob(".out.*"))  # the killed builds' staging and lock: gone

@@ -196,14 +196,64 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(capsys, tmp
     assert "cannot write there (Read-only file system)" in line, line
 
 
-def test_results_are_shown_before_they_are_written(capsys, tiny_models, synth_shards, tmp_path):
-    """A write that fails after the work (here results.json is a directory) is one line,
-    and the table is on the console already."""
-    out = tmp_path / "out"
-    (out / "results.json").mkdir(parents=True)
+def test_results_are_shown_before_they_are_written(
+    capsys, tiny_models, synth_shards, tmpfs
+):
+    """A write that fails after the work (here the disk is full by then) is one line, and
+    the table is on the console already (before: an OSError traceback, no table)."""
+    small = tmpfs("64k")
+    out = small / "out"
+    out.mkdir()
+    with open(small / "filler", "wb") as filler:  # full, as another job may leave it
+        try:
+            while True:
+                filler.write(b"x" * 4096)
+                filler.flush()
+        except OSError:
+            pass
     argv = ["--heldout", synth_shards, "--max-batches", "1", "--batch-size", "1", "--quiet"]
     assert main([str(a) for a in [tiny_models / "fits", *argv, "--out", out]]) == 2
     captured = capsys.readouterr()
     assert "| windows (tokens) | 64 |" in captured.out
-    assert f"--out {out}: cannot write there (Is a directory)" in captured.err
+    assert f"{out}: no space left on the device" in captured.err
     assert "Traceback" not in captured.err
+
+
+def test_a_step_that_does_not_exist_is_named_with_the_steps_that_do(capsys, tmp_path):
+    """Issue 27: it was 'neither a del-megatron checkpoint nor a Hugging Face model'."""
+    root = tmp_path / "run" / "checkpoints"
+    for step in (100, 200):
+        (root / f"step-{step:07d}").mkdir(parents=True)
+        (root / f"step-{step:07d}" / "meta.json").write_text("{}")
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    missing = root / "step-0000300"
+    line = fails(capsys, missing, "--gsm8k", one, "--shots", "0")
+    assert line == (
+        f"del-eval: error: {missing}: does not exist ({root} holds step-0000100, step-0000200)"
+    )
+    line = fails(capsys, tmp_path / "x", "--gsm8k", one, "--shots", "0")
+    assert line == f"del-eval: error: {tmp_path / 'x'}: does not exist"
+
+
+def test_problems_must_state_their_final_answer(capsys, tmp_path):
+    """Issue 27: an answer without '#### N' was taken whole as the gold answer."""
+    from del_megatron.evaluation.generation import gold_of
+
+    assert gold_of("She has 3 + 15 = 18 eggs.\nThe answer is 18.") == "18"
+    assert gold_of("42") == "42"  # the synthetic corpus's held-out answers
+    assert gold_of("She has 18 eggs.") is None
+    bad = tmp_path / "problems.jsonl"
+    bad.write_text(
+        '{"question": "1+1?", "answer": "#### 2"}\n'
+        '{"question": "eggs?", "answer": "She has 3 + 15 = 18 eggs."}\n'
+    )
+    line = fails(capsys, NO_MODEL, "--gsm8k", bad, "--shots", "0")
+    assert f"{bad} line 2: the answer states no final answer: end it with '#### N'" in line
+
+
+def test_a_corpus_given_as_heldout_names_the_build(capsys, tmp_path):
+    corpus = tmp_path / "test.jsonl"
+    corpus.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    line = fails(capsys, NO_MODEL, "--heldout", corpus)
+    assert "not a shard manifest" in line and "`data-tools build FILE -o DIR" in line

@@ -139,14 +139,52 @@ def test_torchrun_sh_dry_run_checks_the_run_for_its_process_count(
     assert '"world_size": 2, "tensor_parallel": 2' in proc.stdout  # the layout for 2 ranks
     command = proc.stdout.split("# command: ", 1)[1]
     assert "--standalone --nproc-per-node=2" in command
-    assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume auto" in command
+    assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume same" in command
     proc = torchrun_sh("--dry-run", *run, PATH="/usr/bin:/bin")  # no nvidia-smi: no GPU
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "torchrun.sh: no GPU found: 1 process (--nproc-per-node N to choose)",
         "del-train: error: world size 1 is not a multiple of parallel.tensor_parallel=2 "
-        "(world size = tensor parallel x data parallel)",
+        "(world size = tensor parallel x data parallel): start 2 processes (bash "
+        "launch/torchrun.sh --nproc-per-node 2, also with --dry-run) or set "
+        "parallel.tensor_parallel=1",
     ]
+
+
+def test_launchers_continue_only_a_run_of_the_same_config(tmp_path, synth_tokenizer, synth_shards):
+    """Issue 27, case 1: torchrun.sh always resumed (--resume auto), so a command that left out
+    output_dir= continued the quick start's run on the user's data. Now both launchers resume
+    a run of the same config only (a stop, a requeue: --resume same); another config is one
+    line naming --resume auto, which continues it with its changes said."""
+    from del_megatron.config import dump_run_config, parse_run_config
+    from del_megatron.tokenizer import Tokenizer
+
+    from ..training.test_bad_input import fake_checkpoint
+
+    run = tiny_run(tmp_path, synth_tokenizer, synth_shards)
+    tree = yaml.safe_load((ROOT / run[0]).read_text())
+    cfg = parse_run_config(tree, run[1:])
+    saved = fake_checkpoint(
+        tmp_path / "run", cfg.model_dump(mode="json"), Tokenizer(synth_tokenizer).fingerprint
+    )
+    (saved / "run_config.yaml").write_text(dump_run_config(cfg))
+    other = f"data.sources=[{{manifest: {synth_shards}, weight: 3.0}}]"
+    refused = (
+        f"del-train: error: output_dir={tmp_path / 'run'} holds a run of another config "
+        "(step-0000004: data.sources differ): --resume auto to continue it with these "
+        "changes, or choose another output_dir"
+    )
+    proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", *run)  # a restart
+    assert proc.returncode == 0 and '"resume_step": 4' in proc.stdout, proc.stderr
+    proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", *run, other)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == refused, proc.stderr
+    proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", "--resume", "auto", *run, other)
+    assert proc.returncode == 0 and "# resume: data.sources " in proc.stdout, proc.stderr
+    assert "--resume auto" in proc.stdout.split("# command: ", 1)[1]
+    proc = sbatch_dry_run(tmp_path, *run, other, WORLD_SIZE="2")
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == refused, proc.stderr
+    proc = sbatch_dry_run(tmp_path, "--resume", "auto", *run, other, WORLD_SIZE="2")
+    assert proc.returncode == 0 and "# resume: data.sources " in proc.stdout, proc.stderr
 
 
 def test_torchrun_sh_a_mistake_is_one_line_and_status_2(tmp_path, synth_tokenizer, synth_shards):
@@ -249,7 +287,7 @@ def test_sbatch_dry_run_needs_no_allocation_and_writes_nothing(
     assert command.startswith(  # outside an allocation: one node, one rank per node
         "srun --nodes=1 --ntasks=1 --ntasks-per-node=1 --kill-on-bad-exit=0 --wait=120 --label "
     )
-    assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume auto" in command
+    assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume same" in command
     assert "with WORLD_SIZE=N (the job's ranks) this dry run also runs del-train's" in proc.stdout
     assert not (tmp_path / "logs").exists()
     # with the job's ranks: del-train's dry run for them, and its one line for a mistake

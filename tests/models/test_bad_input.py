@@ -91,11 +91,18 @@ def test_an_export_directory_with_other_files_is_refused_then_kept(weights, caps
     )
     assert code == 0, err
     assert (out / "README.md").read_text() == "my notes" and (out / "config.json").is_file()
-    before = snapshot(out)  # a second export replaces its own files only
-    code, err = run(
-        capsys, "megatron-to-hf", "--checkpoint", weights / "m", "--out", out, "--force"
+    before = snapshot(out)  # a second export sets the first aside, the user's file stays
+    capsys.readouterr()
+    code = convert(
+        ["megatron-to-hf", "--checkpoint", str(weights / "m"), "--out", str(out), "--force"]
     )
-    assert code == 0 and snapshot(out) == before
+    assert code == 0, capsys.readouterr().err
+    [aside] = out.glob("previous-*")
+    assert f"{out}: the previous output moved to {aside}\n" in capsys.readouterr().out
+    now = snapshot(out)
+    assert {k: v for k, v in now.items() if not k.startswith("previous-")} == before
+    earlier = {k.split("/", 1)[1]: v for k, v in now.items() if k.startswith("previous-")}
+    assert earlier == {k: v for k, v in before.items() if k != "README.md"}
 
 
 def test_a_failed_export_leaves_the_previous_one(weights, capsys):

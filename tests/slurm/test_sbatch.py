@@ -261,7 +261,7 @@ def test_dry_run_resolves_rendezvous_and_container(tmp_path):
     assert f"rendezvous 127.0.0.1:{20000 + int(job.id) % 20000}" in log  # n1's NodeAddr
     assert "--container-image=nvcr.io#nvidia/pytorch:25.09-py3" in log
     assert f"--container-mounts={ROOT}:{ROOT}" in log
-    assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume auto" in log
+    assert "-m del_megatron.cli.train --config configs/tiny_cpu.yaml --resume same" in log
 
 
 def scontrol_node(name: str, *state: str) -> None:

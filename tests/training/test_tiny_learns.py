@@ -55,6 +55,7 @@ def test_shortened_tiny_run_learns(tmp_path, synth_corpus, synth_tokenizer, synt
     # never silent for long: each slow part is announced, in order, before the first step line
     said = [
         "del-train: building the model and DeepSpeed (ZeRO 1) on 2 rank(s)",
+        "parameters); starting DeepSpeed's engine",  # the half minute after it, said
         "del-train: held-out evaluation before training (20 batches at most)",
         f"del-train: training steps 1-{STEPS}, a line every 20",
         f"step 20/{STEPS}",

@@ -28,7 +28,7 @@ def check(hf_dir: str, expected_path: str, export_dir: str) -> str:
     checkpoint = HFCheckpoint(hf_dir)
     arch = architecture_from_hf(checkpoint.config, divisible_by=64)
     vocab = DigitVocab(digit_ids=list(range(10, 20)), vocab_size=arch.vocab_size)
-    model = build_llama(arch, vocab, NumericLossConfig(), torch.device("cpu"))
+    model = build_llama(arch, vocab, NumericLossConfig(), torch.device("cpu"), seed=0)
     load_hf(model, checkpoint, arch)
     for name, param in model.named_parameters():  # the offline table agrees with megatron
         assert partition_of(name) == partition_of_param(param), name

@@ -38,7 +38,7 @@ def check(path: str) -> dict:
     arch, tp = cfg.model, cfg.parallel.tensor_parallel
     digits = DigitVocab(digit_ids=list(range(10, 20)), vocab_size=arch.vocab_size)
     with torch.device("meta"):
-        model = build_llama(arch, digits, NumericLossConfig(), torch.device("cpu"))
+        model = build_llama(arch, digits, NumericLossConfig(), torch.device("cpu"), seed=0)
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_config(arch))
     params = dict(model.named_parameters())
     built = sum(p.numel() for p in params.values())

@@ -61,16 +61,15 @@ def main() -> None:
     cpu = torch.device("cpu")
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    torch.manual_seed(1234)
-    full = build_llama(ARCH, VOCAB, cfg, cpu)
+    full = build_llama(ARCH, VOCAB, cfg, cpu, seed=1234)
     full_loss, full_report = step(full, kind)
     weights = {n: p.detach().clone() for n, p in full.named_parameters()}
     grads = {n: p.grad.detach().clone() for n, p in full.named_parameters()}
     parallel_state.destroy_model_parallel()
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    torch.manual_seed(99)  # different init: the weights must come from the TP = 1 set
-    sharded = build_llama(ARCH, VOCAB, cfg, cpu)
+    # a different init: the weights must come from the TP = 1 set
+    sharded = build_llama(ARCH, VOCAB, cfg, cpu, seed=99)
     with torch.no_grad():
         for name, param in sharded.named_parameters():
             param.copy_(split(weights[name], partition_of_param(param), rank, world))
