@@ -4,6 +4,7 @@ checked before a model loads (a wrong file must not cost the minutes of loading 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -199,18 +200,19 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(capsys, tmp
 def test_results_are_shown_before_they_are_written(
     capsys, tiny_models, synth_shards, tmpfs
 ):
-    """A write that fails after the work (here the disk is full by then) is one line, and
-    the table is on the console already (before: an OSError traceback, no table)."""
+    """A write that fails after the work (here the disk has room for the lock, not for the
+    results) is one line, and the table is on the console already (before: an OSError
+    traceback, no table)."""
     small = tmpfs("64k")
     out = small / "out"
     out.mkdir()
-    with open(small / "filler", "wb") as filler:  # full, as another job may leave it
-        try:
-            while True:
-                filler.write(b"x" * 4096)
-                filler.flush()
-        except OSError:
+    filler = os.open(small / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(filler, b"x" * 4096):
             pass
+    except OSError:  # full: then one page freed, which the lock file takes
+        os.ftruncate(filler, os.fstat(filler).st_size - 4096)
+    os.close(filler)
     argv = ["--heldout", synth_shards, "--max-batches", "1", "--batch-size", "1", "--quiet"]
     assert main([str(a) for a in [tiny_models / "fits", *argv, "--out", out]]) == 2
     captured = capsys.readouterr()
