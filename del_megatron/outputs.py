@@ -187,6 +187,8 @@ def _try_lock(lock: Path) -> dict | None:
             holder = _read_holder(lock)
             if holder is None:
                 continue  # released between the two calls: try again
+            if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+                return None  # ours already (a writer through begin_output inside output_lock)
             if _alive_here(holder):
                 return holder
             # a dead holder on this host: move its lock aside, then make sure what was
@@ -210,7 +212,7 @@ def acquire_output_lock(final: Path, *, wait: bool = False, poll_s: float = 0.5)
         final.parent.mkdir(parents=True, exist_ok=True)
         holder = _try_lock(lock)
     except OSError as err:
-        raise UserError(f"{final}: cannot write there ({err.strerror or err})") from None
+        raise write_error(final, err) from None
     said = False
     while holder is not None:
         where = f"host {holder.get('host')}, pid {holder.get('pid')}"
@@ -248,13 +250,18 @@ def output_lock(final: Path, *, wait: bool = False) -> Iterator[None]:
 
 
 def check_output_dir(directory: Path, flag: str) -> None:
-    """`directory` is or becomes a directory a file can be written in (it is created):
-    checked before long work, so that the work is not lost at its last step."""
+    """A file can be written in `directory` (or, when it does not exist yet, in the nearest
+    directory above it, where it will be made): checked before long work, so that the work
+    is not lost at its last step, and without creating anything."""
     if directory.exists() and not directory.is_dir():
         raise UserError(f"{flag} {directory}: exists and is not a directory")
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{flag} {directory}: {existing} is not a directory")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as err:
         raise write_error(directory, err, flag) from None

@@ -4,6 +4,7 @@ checked before a model loads (a wrong file must not cost the minutes of loading 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -196,14 +197,23 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(capsys, tmp
     assert "cannot write there (Read-only file system)" in line, line
 
 
-def test_results_are_shown_before_they_are_written(capsys, tiny_models, synth_shards, tmp_path):
-    """A write that fails after the work (here results.json is a directory) is one line,
-    and the table is on the console already."""
-    out = tmp_path / "out"
-    (out / "results.json").mkdir(parents=True)
+def test_results_are_shown_before_they_are_written(capsys, tiny_models, synth_shards, tmpfs):
+    """A write that fails after the work (here the disk has room for the lock, not for the
+    results) is one line, and the table is on the console already (before: an OSError
+    traceback, no table)."""
+    small = tmpfs("64k")
+    out = small / "out"
+    out.mkdir()
+    filler = os.open(small / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(filler, b"x" * 4096):
+            pass
+    except OSError:  # full: then one page freed, which the lock file takes
+        os.ftruncate(filler, os.fstat(filler).st_size - 4096)
+    os.close(filler)
     argv = ["--heldout", synth_shards, "--max-batches", "1", "--batch-size", "1", "--quiet"]
     assert main([str(a) for a in [tiny_models / "fits", *argv, "--out", out]]) == 2
     captured = capsys.readouterr()
     assert "| windows (tokens) | 64 |" in captured.out
-    assert f"--out {out}: cannot write there (Is a directory)" in captured.err
+    assert f"{out}: no space left on the device" in captured.err
     assert "Traceback" not in captured.err
