@@ -1,6 +1,6 @@
 """Forward+backward time of numeric_loss(kind="del") over F.cross_entropy, side by side.
 
-    python bench/loss_reference.py [--tokens 3000] [--vocab 32000] [--repeats 15]
+    python bench/loss_reference.py [--tokens 3000] [--vocab 32000] [--repeats 15] [--grouped]
 
 Logits [tokens, vocab] float32 with ~15% digit targets in numbers of 1-6 digits (some
 decimals). The two are timed alternately in one process; the ratio of medians is printed.
@@ -14,7 +14,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_inputs import number_heavy_labels
+from bench_inputs import grouped_number_labels, number_heavy_labels
 
 from del_megatron import NumericLossConfig, numeric_loss
 
@@ -32,12 +32,18 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument(
+        "--grouped",
+        action="store_true",
+        help="a Llama-3-like tokenizer: number tokens of 1..3 digits (use --vocab 128256)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     gen = torch.Generator().manual_seed(0)
-    labels, vocab = number_heavy_labels(args.tokens, args.vocab, 0.15, gen)
+    make_labels = grouped_number_labels if args.grouped else number_heavy_labels
+    labels, vocab = make_labels(args.tokens, args.vocab, 0.15, gen)
     logits = torch.randn(args.tokens, args.vocab, generator=gen)
     cfg = NumericLossConfig(kind="del")
     digit_share = numeric_loss(logits, labels, vocab, cfg).stats["digits"].item() / args.tokens
@@ -56,7 +62,8 @@ def main() -> None:
 
     base = statistics.median(times["F.cross_entropy"])
     print(
-        f"logits [{args.tokens}, {args.vocab}] float32, digit targets {digit_share:.1%}, "
+        f"logits [{args.tokens}, {args.vocab}] float32, {vocab.describe()}, "
+        f"digits per token {digit_share:.1%}, "
         f"threads {torch.get_num_threads()}, torch {torch.__version__}"
     )
     print(f"{'':20s} {'median ms':>10s} {'ratio':>7s}")

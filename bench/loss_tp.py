@@ -1,6 +1,7 @@
 """The numeric-loss hook on vocabulary shards against megatron-core's cross entropy.
 
     torchrun --nproc_per_node=2 bench/loss_tp.py                       # CPU, float32, TP 2
+    torchrun --nproc_per_node=2 bench/loss_tp.py --grouped --vocab 128256 --tokens 1024
     python bench/loss_tp.py --device cuda --dtype bf16 --vocab 152064 --tokens 16384  # GPU, TP 1
 
 Forward+backward time (median of alternating repetitions, one run) and peak memory of
@@ -23,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from bench_inputs import number_heavy_labels
+from bench_inputs import grouped_number_labels, number_heavy_labels
 from peak_memory import PeakMemory
 
 from del_megatron import NumericLossConfig, vocab_parallel_numeric_loss
@@ -74,6 +75,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--grouped",
+        action="store_true",
+        help="a Llama-3-like tokenizer: number tokens of 1..3 digits (use --vocab 128256)",
+    )
     args = parser.parse_args()
 
     from del_megatron.models.device import bind_local_device
@@ -100,7 +106,8 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(0)
     seq, batch = args.tokens // 2, 2
-    labels, vocab = number_heavy_labels(args.tokens, args.vocab, 0.15, gen)
+    make_labels = grouped_number_labels if args.grouped else number_heavy_labels
+    labels, vocab = make_labels(args.tokens, args.vocab, 0.15, gen)
     labels = labels.view(batch, seq).to(device)  # [b, s]
     target_sb = labels.t().contiguous()
     local = args.vocab // world
@@ -150,7 +157,8 @@ def main() -> None:
     if rank == 0:
         print(
             f"device {device.type}, {args.dtype}, TP {world}, logits [{seq}, {batch}, "
-            f"{local}] per rank, V={args.vocab}, digit targets {share / args.tokens:.1%}, "
+            f"{local}] per rank, V={args.vocab}, digits per token {share / args.tokens:.1%}, "
+            f"{vocab.describe()}, "
             f"torch {torch.__version__}"
         )
         base, ours = candidates

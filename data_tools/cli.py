@@ -40,7 +40,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
     from .tokenizer_train import train_tokenizer
 
     path = train_tokenizer(
-        args.inputs, args.output, vocab_size=args.vocab_size, fields=_fields(args)
+        args.inputs, args.output, vocab_size=args.vocab_size, fields=_fields(args), style=args.style
     )
     print(f"tokenizer written: {path}")
 
@@ -89,9 +89,18 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="data-tools", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer that splits digits")
+    t = sub.add_parser("tokenizer", help="train a tokenizer for numbers (digits split or grouped)")
     t.add_argument("inputs", nargs="+", type=Path)
-    t.add_argument("-o", "--output", type=Path, required=True, help="the .model file to write")
+    t.add_argument(
+        "-o", "--output", type=Path, required=True, help="the .model / tokenizer.json to write"
+    )
+    t.add_argument(
+        "--style",
+        choices=["sentencepiece", "llama3"],
+        default="sentencepiece",
+        help="sentencepiece .model splitting digits, or a byte-level BPE tokenizer.json with "
+        "Llama-3's pre-tokenizer (digits grouped 1..3, every such string a token)",
+    )
     t.add_argument("--vocab-size", type=positive_int, default=4000)
     _add_fields(t)
     t.set_defaults(func=cmd_tokenizer)

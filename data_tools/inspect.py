@@ -49,7 +49,9 @@ def inspect_shards(
         if tokenizer.fingerprint != manifest.tokenizer.fingerprint:
             raise DataError(f"{tokenizer_path} is not the tokenizer these shards were built with")
         digit_table = np.zeros(max(tokenizer.vocab_size, manifest.tokenizer.vocab_size), bool)
-        for ids in tokenizer.digit_vocab.digit_ids:
+        digit_vocab = tokenizer.digit_vocab
+        # number tokens: single digits, and the 2..m-digit ones of a grouped tokenizer
+        for ids in (*digit_vocab.digit_ids, *digit_vocab.numbers.values()):
             digit_table[list(ids)] = True
     documents = tokens = digits = masked = 0
     lengths: Counter[int] = Counter()

@@ -108,16 +108,25 @@ def synth_corpus(tmp_path_factory) -> Path:
     return out
 
 
+def _synth_tokenizer(corpus: Path, out: Path, **options) -> Path:
+    from data_tools.tokenizer_train import train_tokenizer
+
+    return train_tokenizer([corpus / "train.jsonl"], out, **options)
+
+
 @pytest.fixture(scope="session")
 def synth_tokenizer(synth_corpus, tmp_path_factory) -> Path:
     """A sentencepiece tokenizer trained on the synthetic corpus by data_tools."""
-    from data_tools.tokenizer_train import train_tokenizer
-
-    return train_tokenizer(
-        [synth_corpus / "train.jsonl"],
-        tmp_path_factory.mktemp("tok") / "tokenizer.model",
-        vocab_size=800,
+    return _synth_tokenizer(
+        synth_corpus, tmp_path_factory.mktemp("tok") / "tokenizer.model", vocab_size=800
     )
+
+
+@pytest.fixture(scope="session")
+def synth_llama3_tokenizer(synth_corpus, tmp_path_factory) -> Path:
+    """A byte-level BPE with Llama-3's pre-tokenizer (digits grouped 1..3), by data_tools."""
+    out = tmp_path_factory.mktemp("tok3") / "tokenizer.json"
+    return _synth_tokenizer(synth_corpus, out, vocab_size=1600, style="llama3")
 
 
 @pytest.fixture(scope="session")

@@ -167,7 +167,15 @@ def test_committed_deepspeed_json_is_generated(capsys):
 
 @pytest.mark.parametrize(
     "name",
-    ["tiny_cpu", "llama2_7b", "codellama_7b", "mistral_7b", "qwen2.5_7b", "deepseek_math_7b"],
+    [
+        "tiny_cpu",
+        "llama2_7b",
+        "codellama_7b",
+        "mistral_7b",
+        "qwen2.5_7b",
+        "deepseek_math_7b",
+        "llama3.1_8b",
+    ],
 )
 def test_shipped_configs_validate(name):
     from del_megatron.config import load_run_config

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,52 @@ def left_in_shard(
     return samples[~taken[first + samples]]
 
 
+@dataclass(frozen=True)
+class ShardReads:
+    """One shard of a slot's plan for an epoch as the slot reads it: `samples`, the shard's
+    samples not yet taken in reading order (none when the slot cannot read the shard), of which
+    the slot reads those at `first::step`. seen: documents of the epoch's stream before this
+    shard; shard_pos: its index in the plan."""
+
+    shard_pos: int
+    shard: int
+    samples: np.ndarray
+    seen: int
+    first: int
+    step: int
+
+    def mine(self) -> np.ndarray:
+        """Indices into `samples` of the documents this slot reads."""
+        return np.arange(self.first, len(self.samples), self.step)
+
+    def next_from(self, index: int) -> int | None:
+        """The first index >= `index` into `samples` this slot reads (None: none left)."""
+        found = index + (self.first - index) % self.step
+        return found if found < len(self.samples) else None
+
+
+def slot_reads(
+    plan: SlotPlan,
+    left: Callable[[int], np.ndarray],
+    slot: int,
+    slots: int,
+    shard_pos: int = 0,
+    seen: int = 0,
+) -> Iterator[ShardReads]:
+    """The rule of which documents a slot reads in an epoch, the one place it is written:
+    the plan's shards in order; in each, the samples not yet taken in reading order
+    (`left(shard)`: empty for a shard the slot cannot read); all of them in a whole-shard plan,
+    in a striding plan every slots-th of the epoch's stream (the documents of the plan's
+    readable shards in order), from the slot's own index. From the plan's shard `shard_pos`
+    on, `seen` documents of the stream before it."""
+    for pos in range(shard_pos, len(plan.shards)):
+        shard = plan.shards[pos]
+        samples = left(shard)
+        first, step = ((slot - seen) % slots, slots) if plan.striding else (0, 1)
+        yield ShardReads(pos, shard, samples, seen, first, step)
+        seen += len(samples)
+
+
 def read_prefix(
     manifest: Manifest,
     order: Order,
@@ -117,41 +164,35 @@ def read_prefix(
     slots: int,
     position: dict[str, int] | None,
     skipped: set[int],
-    streams: dict[Any, Any] | None = None,
+    cache: dict[Any, Any] | None = None,
 ) -> np.ndarray:
     """Document numbers one slot took in `epoch` up to `position` (a SourceReader position in
     that epoch; None: its whole plan). Shards in `skipped` (unreadable to it) that it passed
-    count as taken: they stay skipped. streams: the caller's cache of what is the same for every
-    slot (remaining shards, striding epochs' document streams), for calls of one `taken`."""
-    cache = {} if streams is None else streams
+    count as taken: they stay skipped. cache: the caller's, of what is the same for every slot
+    (remaining shards, each shard's samples left), for calls of one `taken`."""
+    cache = {} if cache is None else cache
     if ("shards", epoch) not in cache:
         cache[("shards", epoch)] = remaining_shards(manifest, order, epoch, taken)
     plan = slot_plan(manifest, order, epoch, taken, slot, slots, cache[("shards", epoch)])
     first = offsets(manifest)
     shard_pos = len(plan.shards) if position is None else position["shard_pos"]
-    passed = set(plan.shards[:shard_pos])
-    out = [np.arange(first[s], first[s + 1]) for s in passed & skipped]
-    if not plan.striding:
-        out += [np.arange(first[s], first[s + 1]) for s in passed - skipped]
-        if position is not None and shard_pos < len(plan.shards):
-            shard = plan.shards[shard_pos]
-            left = left_in_shard(manifest, order, epoch, shard, taken)
-            out.append(first[shard] + left[: position["sample_pos"]])
-    else:
-        unread = frozenset(passed & skipped)
-        stream = cache.get((epoch, unread))
-        if stream is None:
-            stream = np.concatenate(
-                [np.zeros(0, np.int64)]
-                + [
-                    first[s] + left_in_shard(manifest, order, epoch, s, taken)
-                    for s in plan.shards
-                    if s not in unread
-                ]
-            )
-            cache[(epoch, unread)] = stream
-        seen = len(stream) if position is None else position["seen"]
-        out.append(stream[slot:seen:slots])
+    unread = set(plan.shards[:shard_pos]) & skipped
+    out = [np.arange(first[s], first[s + 1]) for s in unread]
+
+    def left(shard: int) -> np.ndarray:
+        if shard in unread:
+            return np.zeros(0, np.int64)
+        if (epoch, shard) not in cache:
+            cache[(epoch, shard)] = left_in_shard(manifest, order, epoch, shard, taken)
+        return cache[(epoch, shard)]
+
+    for reads in slot_reads(plan, left, slot, slots):
+        if reads.shard_pos > shard_pos:
+            break
+        mine = reads.mine()
+        if reads.shard_pos == shard_pos and position is not None:
+            mine = mine[mine < position["sample_pos"]]
+        out.append(first[reads.shard] + reads.samples[mine])
     return np.concatenate([np.zeros(0, np.int64), *out]).astype(np.int64)
 
 

@@ -20,12 +20,15 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import UserError
+
+if TYPE_CHECKING:
+    from .config import DataConfig
 
 FORMAT_VERSION = 2  # 2: inputs are records (size, SHA-256, documents); 1: file names
 TOKENS_EXT = "tokens"
@@ -214,6 +217,27 @@ def check_listed_shards(url: str, manifest: Manifest) -> None:
 
 
 # ---- reading ---------------------------------------------------------------------------
+
+
+def load_manifests(
+    cfg: DataConfig, fingerprint: str | None = None, *, check_shards: bool = False
+) -> list[tuple[str, Manifest]]:
+    """Every source's manifest; all must share one tokenizer, `fingerprint` if given.
+    check_shards: also that every local shard listed is there at its size (preflight)."""
+    manifests: list[tuple[str, Manifest]] = []
+    for source in cfg.sources:
+        manifest = read_manifest(source.manifest, allow_pipe=cfg.allow_pipe)
+        if check_shards:
+            check_listed_shards(source.manifest, manifest)
+        want = fingerprint or (manifests[0][1].tokenizer.fingerprint if manifests else None)
+        if want is not None and manifest.tokenizer.fingerprint != want:
+            raise DataError(
+                f"{source.manifest}: shards were tokenized with tokenizer "
+                f"{manifest.tokenizer.fingerprint[:18]}... ({manifest.tokenizer.source}), "
+                f"training uses {want[:18]}...; rebuild the shards with the training tokenizer"
+            )
+        manifests.append((source.manifest, manifest))
+    return manifests
 
 
 def read_shard(url: str, entry: ShardEntry, *, allow_pipe: bool) -> list[Document]:

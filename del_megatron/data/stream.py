@@ -10,13 +10,14 @@ and a resumed stream continues with the next unseen token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .config import DataConfig
-from .cursor import Order, SlotPlan, left_in_shard, offsets, slot_plan
+from .cursor import Order, ShardReads, SlotPlan, left_in_shard, offsets, slot_plan, slot_reads
 from .format import DataError, Document, Manifest, read_shard, resolve
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class SourceReader:
         self.taken = taken or {}
         self.position = ReaderPosition(epoch=start_epoch)
         self.skipped = skipped  # shared per slot: names of skipped shards
-        self._loaded: tuple[tuple[int, int], list[tuple[int, Document]]] | None = None
+        self._loaded: tuple[tuple[int, int], tuple[np.ndarray, list[Document]]] | None = None
         self._plan: tuple[int, SlotPlan] | None = None
 
     def plan(self, epoch: int) -> SlotPlan:
@@ -79,8 +80,9 @@ class SourceReader:
             self._plan = (epoch, plan)
         return self._plan[1]
 
-    def _shard(self, epoch: int, shard: int) -> list[tuple[int, Document]]:
-        """(sample index, document) of a shard not yet taken, in reading order."""
+    def _shard(self, epoch: int, shard: int) -> tuple[np.ndarray, list[Document]]:
+        """A shard's samples not yet taken, in reading order (none when it cannot be read and
+        on_error is skip), and its documents by sample index."""
         if self._loaded is not None and self._loaded[0] == (epoch, shard):
             return self._loaded[1]
         entry = self.manifest.shards[shard]
@@ -94,14 +96,25 @@ class SourceReader:
             if location not in self.skipped:
                 self.skipped.append(location)
             docs = []
-        order = (
+        samples = (
             left_in_shard(self.manifest, self.order, epoch, shard, self.taken.get(epoch))
             if docs
-            else []
+            else np.zeros(0, np.int64)
         )
-        listed = [(int(i), docs[i]) for i in order]
-        self._loaded = ((epoch, shard), listed)
-        return listed
+        self._loaded = ((epoch, shard), (samples, docs))
+        return samples, docs
+
+    def _reads(self, epoch: int, shard_pos: int = 0, seen: int = 0) -> Iterator[ShardReads]:
+        """This slot's reads of `epoch` from the plan's shard `shard_pos` on (cursor.slot_reads),
+        the shards read as they are reached."""
+        return slot_reads(
+            self.plan(epoch),
+            lambda shard: self._shard(epoch, shard)[0],
+            self.slot,
+            self.slots,
+            shard_pos,
+            seen,
+        )
 
     def next_document(self) -> DocumentAt | None:
         """The next document, or None once cfg.epochs epochs are done."""
@@ -109,53 +122,54 @@ class SourceReader:
         while True:
             if self.cfg.epochs is not None and pos.epoch >= self.cfg.epochs:
                 return None
-            plan = self.plan(pos.epoch)
-            if pos.shard_pos >= len(plan.shards):
-                # a whole epoch without a document would stream on forever; the rest of an
-                # epoch (after a layout change) may leave this slot nothing
-                if pos.taken == 0 and self.taken.get(pos.epoch) is None:
-                    raise DataError(
-                        f"{self.url}: no readable document for data-parallel slot {self.slot} "
-                        f"of {self.slots} (fewer documents than ranks x workers, or every "
-                        "shard skipped)"
-                    )
-                self.position = pos = ReaderPosition(epoch=pos.epoch + 1)
-                continue
-            shard = plan.shards[pos.shard_pos]
-            docs = self._shard(pos.epoch, shard)
-            if pos.sample_pos >= len(docs):
-                pos.shard_pos, pos.sample_pos = pos.shard_pos + 1, 0
-                continue
-            sample, doc = docs[pos.sample_pos]
-            pos.sample_pos += 1
-            pos.seen += 1
-            if plan.striding and (pos.seen - 1) % self.slots != self.slot:
-                continue
-            pos.taken += 1
-            return DocumentAt(pos.epoch, shard, sample, doc)
+            for reads in self._reads(pos.epoch, pos.shard_pos, pos.seen - pos.sample_pos):
+                index = reads.next_from(pos.sample_pos)
+                if index is None:  # on to the next shard
+                    pos.shard_pos, pos.sample_pos = reads.shard_pos + 1, 0
+                    pos.seen = reads.seen + len(reads.samples)
+                    continue
+                pos.shard_pos, pos.sample_pos = reads.shard_pos, index + 1
+                pos.seen = reads.seen + index + 1
+                pos.taken += 1
+                sample = int(reads.samples[index])
+                document = self._shard(pos.epoch, reads.shard)[1][sample]
+                return DocumentAt(pos.epoch, reads.shard, sample, document)
+            # a whole epoch without a document would stream on forever; the rest of an
+            # epoch (after a layout change) may leave this slot nothing
+            if pos.taken == 0 and self.taken.get(pos.epoch) is None:
+                raise DataError(
+                    f"{self.url}: no readable document for data-parallel slot {self.slot} "
+                    f"of {self.slots} (fewer documents than ranks x workers, or every "
+                    "shard skipped)"
+                )
+            self.position = pos = ReaderPosition(epoch=pos.epoch + 1)
 
     def planned_tokens(self, epochs: int) -> int:
         """Tokens plus one EOS per document this slot reads from its position (the start of a
-        segment) to the end of epoch `epochs` - 1 (manifest counts for untouched shards; the
-        rest are read to count)."""
+        segment) to the end of epoch `epochs` - 1."""
+        return sum(self._planned_tokens_of(epoch) for epoch in range(self.position.epoch, epochs))
+
+    def _planned_tokens_of(self, epoch: int) -> int:
+        """A whole epoch's: manifest counts for a shard this slot reads entire (a whole-shard
+        plan's shard none of which was taken before); the rest are read to count."""
+        plan, taken, first = self.plan(epoch), self.taken.get(epoch), offsets(self.manifest)
+
+        def entire(shard: int) -> bool:
+            return not plan.striding and (
+                taken is None or not taken[first[shard] : first[shard + 1]].any()
+            )
+
+        def left(shard: int) -> np.ndarray:  # an entire shard's samples are not needed
+            return np.zeros(0, np.int64) if entire(shard) else self._shard(epoch, shard)[0]
+
         total = 0
-        first = offsets(self.manifest)
-        for epoch in range(self.position.epoch, epochs):
-            plan, taken = self.plan(epoch), self.taken.get(epoch)
-            if not plan.striding:
-                for shard in plan.shards:
-                    if taken is None or not taken[first[shard] : first[shard + 1]].any():
-                        entry = self.manifest.shards[shard]
-                        total += entry.tokens + entry.samples
-                    else:
-                        total += sum(len(d.tokens) + 1 for _, d in self._shard(epoch, shard))
-                continue
-            seen = 0
-            for shard in plan.shards:
-                for _, doc in self._shard(epoch, shard):
-                    if seen % self.slots == self.slot:
-                        total += len(doc.tokens) + 1
-                    seen += 1
+        for reads in slot_reads(plan, left, self.slot, self.slots):
+            if entire(reads.shard):
+                entry = self.manifest.shards[reads.shard]
+                total += entry.tokens + entry.samples
+            else:
+                docs = self._shard(epoch, reads.shard)[1]
+                total += sum(len(docs[s].tokens) + 1 for s in reads.samples[reads.mine()])
         return total
 
     def state_dict(self) -> dict[str, int]:

@@ -19,11 +19,46 @@ them.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+from .state import plain
 
 DocumentId = tuple[str, int, int, int]  # manifest, epoch, shard, sample
+
+
+class Traceable(Protocol):
+    @property
+    def documents(self) -> list[list[Any]]: ...  # [manifest, epoch, shard, sample, tokens]
+
+
+Item = TypeVar("Item", bound=Traceable)
+
+
+def traced(
+    items: Iterator[Item],
+    path: str,
+    segment: str,
+    dp_rank: int,
+    start: int,
+    follows: dict[str, Any] | None,
+) -> Iterator[Item]:
+    """Hands on `items` (batches about to be trained on, each with the documents whose tokens
+    it trains), appending to `path` a start line and then one batch line per item before
+    handing it on: a kill during its training loses nothing. start: batches of the segment
+    consumed before these."""
+    with open(path, "a") as trace:
+        trace.write(start_line(segment, dp_rank, start, follows, time.time_ns()))
+        trace.flush()
+        consumed = start
+        for item in items:
+            consumed += 1
+            trace.write(batch_line(segment, dp_rank, consumed, plain(item.documents)))
+            trace.flush()
+            yield item
 
 
 def start_line(

@@ -12,11 +12,13 @@ and relative error. A number cut by the window's edge counts as the part inside.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
-from ..losses.places import digit_places
-from ..losses.vocab import NOT_A_CLASS, DigitVocab
+from ..losses.groups import SlotSets, grouped_places, slot_class_logits, slot_offset
+from ..losses.places import digit_places, number_runs
+from ..losses.vocab import NOT_A_CLASS, POINT_CLASS, DigitVocab
 
 ENTROPY_BINS = 20  # histogram of H(p̂) over [0, ln 10]
 CALIBRATION_BINS = 10  # of the greedy digit's probability over [0, 1]
@@ -24,7 +26,8 @@ MAX_PLACE = 12  # integer places 0..MAX_PLACE-1 and decimal places 1..MAX_PLACE 
 
 
 def _class_logits(logits: torch.Tensor, vocab: DigitVocab) -> torch.Tensor:
-    """[n, V] -> [n, 10] digit-class logits (members merged by log-sum-exp)."""
+    """[n, V] -> [n, 10] digit-class logits (members merged by log-sum-exp); grouped
+    vocabularies: [n, U] logits of the number tokens (`DigitVocab.class_members`)."""
     ids, valid = vocab.class_members(10, logits.device)
     member = logits[:, ids]  # [n, 10, M]
     member = member.masked_fill(~valid, float("-inf"))
@@ -42,19 +45,69 @@ def _number_ids(classes: torch.Tensor, decimal_point: torch.Tensor) -> torch.Ten
     return torch.where(member, ids, 0)
 
 
+class _DigitRows(NamedTuple):
+    """One row per digit slot of every position (R = b * s * m; m = 1: one per position),
+    every quantity masked by `is_digit` rather than selected."""
+
+    is_digit: torch.Tensor  # [R] bool: a digit of a counted target
+    target: torch.Tensor  # [R] long, its digit (0 elsewhere)
+    place: torch.Tensor  # [R] long, its power of ten in its number
+    number: torch.Tensor  # [R] long, its number's id (0 elsewhere)
+    class_logits: torch.Tensor  # [R, 10] its slot's digit-class logits
+    token: torch.Tensor  # [R] long, its position's row in [b * s]
+
+
+def _digit_rows(
+    flat: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, vocab: DigitVocab
+) -> _DigitRows:
+    """flat [N, V] logits, labels and mask [b, s]. Single-digit vocabularies: one row per
+    position (a digit target's class); grouped ones (losses/groups.py): m rows per position,
+    the slot marginals of its number token's digits, places counted across the number."""
+    vocab_size = flat.shape[-1]
+    safe = labels.clamp(0, vocab_size - 1)
+    table = vocab.class_table(vocab_size, flat.device)
+    set_logits = _class_logits(flat, vocab)  # [N, 10] or, grouped, [N, U] number tokens
+    rows = torch.arange(labels.numel(), device=flat.device)
+    if not vocab.grouped:
+        classes = torch.where(mask, table[labels.clamp(0, table.numel() - 1)], NOT_A_CLASS)
+        place, decimal_point = digit_places(classes)
+        is_digit = ((classes >= 0) & (classes <= 9)).flatten()
+        numbers = torch.where(is_digit, _number_ids(classes, decimal_point).flatten(), 0)
+        target = classes.flatten().clamp(0, 9)
+        return _DigitRows(is_digit, target, place.flatten(), numbers, set_logits, rows)
+    m = vocab.max_digits
+    count_table, digit_table = vocab.number_table(vocab_size, flat.device)
+    count = torch.where(mask, count_table[safe], 0)
+    point = mask & (table[safe] == POINT_CLASS)
+    classes = torch.where(count > 0, 0, torch.where(point, POINT_CLASS, NOT_A_CLASS))
+    place, is_slot = grouped_places(classes, count, m)  # [b, s, m]
+    numbers = _number_ids(classes, number_runs(classes).decimal_point)
+    slot = torch.arange(m, device=flat.device)
+    offset = slot_offset(count.unsqueeze(-1), slot).flatten()  # [N * m], in range for all
+    token = rows.repeat_interleave(m)
+    slots = SlotSets(offset, *vocab.slot_sets(flat.device))
+    class_logits = slot_class_logits(set_logits.index_select(0, token), slots)  # [N * m, 10]
+    is_digit = is_slot.flatten()
+    return _DigitRows(
+        is_digit,
+        torch.where(is_slot, digit_table[safe], 0).flatten(),
+        place.flatten(),
+        torch.where(is_slot, numbers.unsqueeze(-1), 0).flatten(),
+        class_logits,
+        token,
+    )
+
+
 def batch_statistics(
     logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, vocab: DigitVocab
 ) -> dict[str, torch.Tensor]:
     """Sums of one batch. logits [b, s, V] (V the tokenizer's vocabulary, padding columns
-    removed), labels [b, s] (labels[:, t] is the target of logits[:, t]), loss_mask [b, s]."""
+    removed), labels [b, s] (labels[:, t] is the target of logits[:, t]), loss_mask [b, s].
+    With a grouped tokenizer every digit statistic is per digit slot (docs/losses.md)."""
     logits = logits.float()
     device = logits.device  # every statistic is made where the logits are
     vocab_size = logits.shape[-1]
     mask = loss_mask.bool()
-    table = vocab.class_table(vocab_size, logits.device)
-    classes = torch.where(mask, table[labels.clamp(0, table.numel() - 1)], NOT_A_CLASS)
-    place, decimal_point = digit_places(classes)
-    is_digit = (classes >= 0) & (classes <= 9)
 
     # Every quantity is computed at every position and masked (torch.where), never selected
     # by a boolean index: an index by a mask has a data-dependent size, which on a GPU waits
@@ -65,18 +118,20 @@ def batch_statistics(
     m = mask.flatten()
     nll = torch.where(m, log_z - target_logit, 0.0).double()
 
-    d = is_digit.flatten()  # [N]
+    digit_rows = _digit_rows(flat, labels, mask, vocab)
+    d = digit_rows.is_digit  # [R]
     weight = d.double()  # 1 at digit targets, 0 elsewhere
-    target = classes.flatten().clamp(0, 9)  # [N], the digit where d
-    class_logp = torch.log_softmax(_class_logits(flat, vocab), dim=-1).double()  # [N, 10]
+    target = digit_rows.target
+    class_logp = torch.log_softmax(digit_rows.class_logits, dim=-1).double()  # [R, 10]
     p = class_logp.exp()
     greedy = p.argmax(dim=-1)
     cond_correct = (greedy == target) & d
-    full_correct = (target_logit >= flat.max(dim=-1).values) & d  # a top token of the row
+    token_is_max = target_logit >= flat.max(dim=-1).values  # a top token of the row
+    full_correct = token_is_max[digit_rows.token] & d
     entropy = torch.where(d, -(p * class_logp).sum(-1), 0.0)
     confidence = torch.where(d, p.max(dim=-1).values, 0.0)
 
-    places = torch.where(d, place.flatten(), 0)
+    places = torch.where(d, digit_rows.place, 0)
     decimal = places < 0  # digit_places: decimal digits have negative places
     place_index = torch.where(decimal, MAX_PLACE - 1 - places, places).clamp(0, 2 * MAX_PLACE - 1)
     place_counts = torch.zeros(2 * MAX_PLACE, 2, dtype=torch.float64, device=device)
@@ -97,8 +152,8 @@ def batch_statistics(
     # Number ids stay below b * s + 1 (one per position at most): a bound known without
     # reading the largest id to the host. Id 0 collects the positions outside numbers, with
     # weight 0 from every one of them.
-    numbers = torch.where(d, _number_ids(classes, decimal_point).flatten(), 0)
-    count = classes.numel() + 1
+    numbers = digit_rows.number
+    count = labels.numel() + 1
     scale = torch.pow(10.0, places.double())
     per_number = torch.zeros(4, count, dtype=torch.float64, device=device)
     true_value, greedy_value, wrong, digits_in = per_number

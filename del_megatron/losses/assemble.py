@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from .config import NumericLossConfig
+from .groups import SlotSets, grouped_targets, slot_class_logits
 from .kinds import Objective, numeric_term
 from .places import digit_places, place_weights
 from .terms import digit_entropy
@@ -70,6 +71,9 @@ class Targets:
     rows: torch.Tensor  # [n] long, rows of the digit positions
     classes: torch.Tensor  # [n] long, their target class
     weights: torch.Tensor  # [n] place weights u (ones when place weighting is off)
+    # grouped digits (losses/groups.py): rows repeat per digit slot, and which sets each
+    # slot's ten class logits are made of; None for single-digit vocabularies
+    slots: SlotSets | None = None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -115,6 +119,8 @@ def prepare_targets(
     except RuntimeError:  # raised at once on CPU
         raise ValueError(message) from None
     safe = torch.where(valid, labels, 0).long()
+    if vocab.grouped:
+        return grouped_targets(valid, safe, vocab, cfg, vocab_size, dtype)
     table = vocab.class_table(vocab_size, labels.device)
     classes = torch.where(valid, table[safe], NOT_A_CLASS)  # [..., s]
     place, decimal_point = digit_places(classes)
@@ -151,9 +157,11 @@ def assemble(
     """Combine the parts into the loss of cfg.kind.
 
     ce_per_token: [N] CE of every row (any value where not valid); class_logits: [n, K] of
-    the digit positions; target_is_max: [n] bool; emo_cost: [N] EMO transport cost (emo only).
+    the digit positions (grouped digits: [n, U] number-token logits of each slot's token);
+    target_is_max: [n] bool; emo_cost: [N] EMO transport cost (emo only).
     """
     dtype = ce_per_token.dtype
+    class_logits = slot_class_logits(class_logits, targets.slots)
     valid = targets.valid.to(dtype)
     num_tokens = valid.sum()
     token_denominator = num_tokens.clamp_min(1)

@@ -494,7 +494,9 @@ def vocab_parallel_fused_numeric_loss(
     )
     wanted = (hidden.requires_grad, output_weight_shard.requires_grad)
     plan = None
-    known = cfg.kind_spec.per_token_weights_known_in_forward
+    # grouped digits (losses/groups.py) give a token several digit slots, which the forward
+    # prediction (one class per token, `token_weights`) does not carry: they recompute
+    known = cfg.kind_spec.per_token_weights_known_in_forward and not vocab.grouped
     if torch.is_grad_enabled() and any(wanted) and not recompute and known:
         plan = (token_weights(prepared, cfg, compute_dtype(hidden.dtype)), cfg, wanted)
     ce, class_logits, target_is_max, emo = _FusedParts.apply(

@@ -8,6 +8,8 @@ the digits after it begin a fresh integer. A '.' with no digit before it opens a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .vocab import POINT_CLASS
@@ -23,14 +25,20 @@ def _next(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x[..., 1:], (0, 1))
 
 
-def digit_places(classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Place of every digit and the decimal points that belong to numbers.
+class NumberRuns(NamedTuple):
+    """The run structure of the numbers in target classes, all [..., s]."""
 
-    classes: [..., s] long: 0..9 digits, POINT_CLASS for '.', anything else (negative) for
-    other or masked targets; the last dim is the sequence.
-    Returns place [..., s] long (power of ten of each digit, 0 elsewhere) and
-    decimal_point [..., s] bool.
-    """
+    is_digit: torch.Tensor  # bool
+    decimal_run: torch.Tensor  # bool: a digit of a run after a decimal point
+    decimal_point: torch.Tensor  # bool: a '.' that belongs to a number
+    last_non_digit: torch.Tensor  # long: position of the latest non-digit at or before t (-1)
+    next_non_digit: torch.Tensor  # long: position of the next non-digit at or after t (s)
+
+
+def number_runs(classes: torch.Tensor) -> NumberRuns:
+    """Numbers of `classes` [..., s] (0..9 digits, POINT_CLASS, negative otherwise): shared
+    by the places of single-digit tokens (`digit_places`) and of grouped number tokens
+    (`groups.grouped_places`, where a number token's class is any digit)."""
     is_digit = (classes >= 0) & (classes <= 9)
     is_point = classes == POINT_CLASS
     digit_before, digit_after = _prev(is_digit), _next(is_digit)
@@ -52,10 +60,23 @@ def digit_places(classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     last_non_digit = torch.cummax(torch.where(is_digit, -1, pos), dim=-1).values
     end = classes.shape[-1]
     next_non_digit = torch.where(is_digit, end, pos).flip(-1).cummin(dim=-1).values.flip(-1)
-    place = torch.where(decimal_run, last_non_digit - pos, next_non_digit - 1 - pos)
-    place = torch.where(is_digit, place, 0)
     decimal_point = is_point & _next(decimal_run)
-    return place, decimal_point
+    return NumberRuns(is_digit, decimal_run, decimal_point, last_non_digit, next_non_digit)
+
+
+def digit_places(classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Place of every digit and the decimal points that belong to numbers.
+
+    classes: [..., s] long: 0..9 digits, POINT_CLASS for '.', anything else (negative) for
+    other or masked targets; the last dim is the sequence.
+    Returns place [..., s] long (power of ten of each digit, 0 elsewhere) and
+    decimal_point [..., s] bool.
+    """
+    runs = number_runs(classes)
+    pos = torch.arange(classes.shape[-1], device=classes.device).expand_as(classes)
+    place = torch.where(runs.decimal_run, runs.last_non_digit - pos, runs.next_non_digit - 1 - pos)
+    place = torch.where(runs.is_digit, place, 0)
+    return place, runs.decimal_point
 
 
 def place_weights(

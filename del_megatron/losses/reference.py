@@ -17,7 +17,9 @@ from .assemble import (
     prepare_targets,
 )
 from .config import NumericLossConfig
+from .groups import target_is_max_of_rows
 from .vocab import DigitVocab
+from .vocab_parallel import class_log_sum_exp
 
 
 class _CrossEntropyAndClassLogits(torch.autograd.Function):
@@ -31,9 +33,10 @@ class _CrossEntropyAndClassLogits(torch.autograd.Function):
         ce = -log_probs.gather(1, target.unsqueeze(1)).squeeze(1)
         num_classes, width = member_ids.shape
         members = z.index_select(1, member_ids.flatten()).to(dtype)
-        members = members.view(-1, num_classes, width).masked_fill(~member_valid, float("-inf"))
-        class_logits = torch.logsumexp(members, dim=-1)  # [N, K]
-        member_share = torch.softmax(members, dim=-1)  # d class_logit / d member logit
+        # [N, K] class logits, and d class_logit / d member logit
+        class_logits, member_share = class_log_sum_exp(
+            members.view(-1, num_classes, width), member_valid
+        )
         ctx.save_for_backward(log_probs, target, member_ids, member_share)
         ctx.logits_meta = (logits.shape, logits.dtype)
         return ce, class_logits
@@ -81,9 +84,14 @@ def numeric_loss(
         flat, targets.safe_labels, member_ids, member_valid, vocab_size
     )
     with torch.no_grad():
-        digit_rows = flat.index_select(0, targets.rows)[:, :vocab_size]
-        target_logit = digit_rows.gather(1, targets.safe_labels[targets.rows].unsqueeze(1))
-        target_is_max = target_logit.squeeze(1) >= digit_rows.amax(-1)
+        if targets.slots is not None:  # grouped digits: rows repeat per digit slot
+            target_is_max = target_is_max_of_rows(
+                flat[:, :vocab_size], targets.safe_labels, targets.rows
+            )
+        else:
+            digit_rows = flat.index_select(0, targets.rows)[:, :vocab_size]
+            target_logit = digit_rows.gather(1, targets.safe_labels[targets.rows].unsqueeze(1))
+            target_is_max = target_logit.squeeze(1) >= digit_rows.amax(-1)
 
     emo_cost = None
     if cfg.kind_spec.needs_cost_embedding:

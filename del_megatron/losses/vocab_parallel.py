@@ -48,11 +48,20 @@ def parts_from_sums(sum_exp, target_logit, member_logits, row_max, member_valid)
     [N, K, M] (each member's part of its class), target_is_max [N]."""
     rows = sum_exp.shape[0]
     members = member_logits.reshape(rows, *member_valid.shape)
-    members = members.masked_fill(~member_valid, float("-inf"))
-    class_logits = torch.logsumexp(members, dim=-1)
-    member_share = torch.softmax(members, dim=-1)
+    class_logits, member_share = class_log_sum_exp(members, member_valid)
     ce = torch.log(sum_exp) + row_max - target_logit
     return ce, class_logits, member_share, target_logit >= row_max
+
+
+def class_log_sum_exp(members, member_valid):
+    """members [N, K, M] -> class logits [N, K] (log-sum-exp of the valid members) and each
+    member's share [N, K, M]. One member per class (a grouped vocabulary's number tokens,
+    1110 of them for Llama-3): the member itself and a share of 1, the same numbers without
+    a softmax and a log-sum-exp over a dimension of one per element."""
+    if member_valid.shape[-1] == 1:  # every class has a member: nothing is padding
+        return members.squeeze(-1), torch.ones_like(members)
+    members = members.masked_fill(~member_valid, float("-inf"))
+    return torch.logsumexp(members, dim=-1), torch.softmax(members, dim=-1)
 
 
 def logit_gradient_(

@@ -22,9 +22,8 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
-<<<<<<< HEAD
 from ..errors import UserError, one_line
-=======
+
 
 def _quiet_cpu_only_notices() -> None:
     """megatron-core's tensor-parallel layers recommend CUDA_DEVICE_MAX_CONNECTIONS=1 on every
@@ -41,7 +40,6 @@ def _quiet_cpu_only_notices() -> None:
 
 
 _quiet_cpu_only_notices()
->>>>>>> resume
 
 FUSION_FLAGS = (
     "bias_activation_fusion",

@@ -176,6 +176,12 @@ def partitions() -> dict[str, tuple[int, int]]:
     return found
 
 
+def padded_names() -> tuple[str, ...]:
+    """Canonical megatron names (suffixes) of the parameters whose rows are the padded
+    vocabulary, across families."""
+    return tuple(sorted({e.megatron for t in TABLES.values() for e in t.entries if e.padded}))
+
+
 def present(entry: Entry, arch: LlamaArchitecture) -> bool:
     if entry.only_if == "qkv_bias":
         return arch.qkv_bias

@@ -179,6 +179,7 @@ def _save_layout_free(run: Any, directory: Path) -> dict[str, Any]:
         tp_size=run.cfg.parallel.tensor_parallel,
         dp_rank=run.dp_rank,
         dp_size=run.dp_size,
+        vocab_size=run.cfg.model.vocab_size,
         extra={
             "zero_stage": run.cfg.parallel.zero_stage,
             "scheduler_last_epoch": int(run.scheduler.last_epoch),
@@ -433,6 +434,7 @@ def _load_layout_free(run: Any, path: Path) -> None:
         path,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_size=run.cfg.parallel.tensor_parallel,
+        vocab_size=run.cfg.model.vocab_size,
     )
     # the schedule's position, set rather than stepped to: LambdaLR's rate is a function of
     # it alone, and non-finite steps (which skip the schedule) are counted in it; through

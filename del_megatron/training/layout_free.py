@@ -12,6 +12,11 @@ optim/tpNN-dpMM.safetensors       float32 "<param>/fp32", "<param>/exp_avg",
                                   rank MM of tensor-parallel rank NN wrote (every dp-th one)
 ```
 
+The vocabulary's tensors (embedding, output layer, EMO's cost embedding) are padded to a
+multiple of make_vocab_size_divisible_by x tensor parallel, a number of rows that differs
+between layouts: the state keeps only the tokenizer's rows (the model's vocab_size), so what
+is stored is the same whatever the layout, and a load makes the padding rows again, zero.
+
 Saving gathers one parameter at a time over the data-parallel group with DeepSpeed's
 `safe_get_full_*` API (ZeRO 1, 2 and 3 alike) and streams it into the owner's file, whose
 header is known in advance: no rank holds more than its ZeRO shard plus one parameter, and the
@@ -33,12 +38,15 @@ import torch
 
 from ..checksums import HashingWriter
 from ..errors import UserError, one_line
+from ..models.hf_names import padded_names
 from ..models.hf_tensors import canonical
 from ..models.sharding import merge, partition_of_param
 
 OPTIM = "optim"
 INDEX = "index.json"
-FORMAT = 1
+FORMAT = 2
+# format 1 (before 2026-12-01) kept the vocabulary's padding rows too: the same rows are read
+READS = (1, FORMAT)
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # "fp32": the master weight
 
 
@@ -84,6 +92,31 @@ def buffer_partition(name: str):
         if name.endswith(suffix):
             return partition
     return None
+
+
+# Tensors whose rows are the vocabulary padded for tensor parallelism: the parameters
+# models/hf_names.py marks padded, and EMO's cost embedding, made from the output layer.
+VOCAB_TENSORS = (*padded_names(), "emo_cost_embedding")
+
+
+def has_vocab_rows(name: str) -> bool:
+    return canonical(name).endswith(VOCAB_TENSORS)
+
+
+def stored_rows(vocab: int, rows: int, rank: int) -> int:
+    """How many of tensor-parallel rank `rank`'s `rows` vocabulary rows (its shard of the
+    padded vocabulary, rows rank * rows on) are the tokenizer's `vocab`: the ones the state
+    keeps (0 for a shard of padding only). Over the ranks they make [vocab, ...], whatever the
+    tensor-parallel size and padding."""
+    return max(0, min(rows, vocab - rank * rows))
+
+
+def _stored_shape(name: str, shape: tuple[int, ...], vocab: int, tp_rank: int):
+    """The shape a rank's shard of `name` is stored in: its tokenizer's rows of a vocabulary
+    tensor, the whole shard of any other."""
+    if not has_vocab_rows(name):
+        return shape
+    return (stored_rows(vocab, shape[0], tp_rank), *shape[1:])
 
 
 # ---- the ZeRO optimizers' flat groups -------------------------------------------------
@@ -198,7 +231,8 @@ def _header(entries: list[tuple[str, tuple[int, ...]]], metadata: dict[str, str]
 
 def _write_tensor(handle, value: torch.Tensor) -> None:
     host = value.detach().to("cpu", torch.float32).contiguous()
-    handle.write(memoryview(host.numpy()).cast("B"))
+    if host.numel():  # a shard of padding only stores no vocabulary rows: no bytes
+        handle.write(memoryview(host.numpy()).cast("B"))
 
 
 # ---- save -------------------------------------------------------------------------------
@@ -213,22 +247,29 @@ def save(
     tp_size: int,
     dp_rank: int,
     dp_size: int,
+    vocab_size: int,
     extra: dict[str, Any],
 ) -> dict[str, dict[str, Any]]:
     """Write this rank's part of `directory/optim/`. Every data-parallel rank must call it
     (each gather is a collective of the data-parallel group); data-parallel rank 0 of
     tensor-parallel rank 0 writes the index, with `extra` (schedule, counters) in it.
-    Returns {the file's path under `directory`: its size and SHA-256, hashed as written}."""
+    `vocab_size`: the model's (unpadded) vocabulary rows, the ones kept of its vocabulary
+    tensors. Returns {the file's path under `directory`: its size and SHA-256, hashed as
+    written}."""
     out = directory / OPTIM
     out.mkdir(exist_ok=True)
     ensure_adam_state(zero)
     params = trained_parameters(module)
     steps = adam_steps(zero)
     mine = [i for i in range(len(params)) if writer_of(i, dp_size) == dp_rank]
-    entries = [(f"{params[i][0]}/{key}", full_shape(params[i][1])) for i in mine for key in KEYS]
+    stored = [_stored_shape(n, full_shape(p), vocab_size, tp_rank) for n, p in params]
+    entries = [(f"{params[i][0]}/{key}", stored[i]) for i in mine for key in KEYS]
     # buffers are the same on every data-parallel rank: data-parallel rank 0 writes them
-    buffers = saved_buffers(module) if dp_rank == 0 else []
-    entries += [(f"{name}/{BUFFER}", tuple(b.shape)) for name, b in buffers]
+    buffers = [
+        (name, b, _stored_shape(name, tuple(b.shape), vocab_size, tp_rank))
+        for name, b in (saved_buffers(module) if dp_rank == 0 else [])
+    ]
+    entries += [(f"{name}/{BUFFER}", shape) for name, _, shape in buffers]
     metadata = {
         "format": str(FORMAT),
         "tensor_parallel_rank": str(tp_rank),
@@ -242,10 +283,10 @@ def save(
             for key in KEYS:
                 value = _get(param, key)  # [full tensor-parallel shard], on every dp rank
                 if i in mine:
-                    _write_tensor(handle, value)
+                    _write_tensor(handle, value.narrow(0, 0, stored[i][0]))
                 del value
-        for _, buffer in buffers:
-            _write_tensor(handle, buffer)
+        for _, buffer, shape in buffers:
+            _write_tensor(handle, buffer.narrow(0, 0, shape[0]))
     if tp_rank == 0 and dp_rank == 0:
         index = {
             "format": FORMAT,
@@ -256,7 +297,8 @@ def save(
                     "name": name,
                     "canonical": canonical(name),
                     "partition": partition_of_param(param),
-                    "shape": list(full_shape(param)),
+                    "shape": list(full_shape(param)),  # in the model; stored: `vocab_rows`
+                    "vocab_rows": vocab_size if has_vocab_rows(name) else None,
                     "step": steps[id(param)],
                     "writer": writer_of(i, dp_size),
                 }
@@ -268,6 +310,7 @@ def save(
                     "canonical": canonical(name),
                     "partition": buffer_partition(name),
                     "shape": list(buffer.shape),
+                    "vocab_rows": vocab_size if has_vocab_rows(name) else None,
                     "writer": 0,
                 }
                 for name, buffer in saved_buffers(module)
@@ -289,8 +332,8 @@ def read_index(checkpoint: Path) -> dict[str, Any]:
     path = checkpoint / OPTIM / INDEX
     try:
         index = json.loads(path.read_text())
-        if index.get("format") != FORMAT:
-            raise ValueError(f"format {index.get('format')}, this version reads {FORMAT}")
+        if index.get("format") not in READS:
+            raise ValueError(f"format {index.get('format')}, this version reads {READS}")
         int(index["tensor_parallel"]), int(index["data_parallel"]), list(index["params"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise LayoutFreeError(f"{path}: unreadable ({one_line(err)[:200]})") from None
@@ -302,24 +345,30 @@ def saved_tensors(
 ) -> Iterator[torch.Tensor]:
     """The saved shards of one parameter's `key` for tensor-parallel ranks `tp_ranks`, read
     memory-mapped from the files that hold them."""
-    from safetensors import SafetensorError, safe_open
-
     for tp in tp_ranks:
-        path = checkpoint / OPTIM / file_name(tp, entry["writer"])
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                yield handle.get_tensor(f"{entry['name']}/{key}")
-        except (SafetensorError, OSError) as err:
-            raise LayoutFreeError(f"{path}: unreadable ({one_line(err)[:200]})") from None
+        yield _read_piece(checkpoint, entry, key, tp, None, None, None)
 
 
 def saved_full(checkpoint: Path, index: dict[str, Any], entry: dict[str, Any], key: str):
-    """One parameter's `key` in the TP 1 layout, merged from the saved shards."""
+    """One parameter's `key` in the TP 1 layout, merged from the saved shards as stored (a
+    vocabulary tensor: [vocab_rows, ...], the tokenizer's rows)."""
     partition = entry["partition"] and tuple(entry["partition"])
     shards = list(
         saved_tensors(checkpoint, index, entry, key, list(range(index["tensor_parallel"])))
     )
     return merge(shards, partition)
+
+
+def _cover(start: int, stop: int, piece: int) -> list[tuple[int, int, int]]:
+    """[(owner, start, stop)] covering [start, stop) of a dim cut into pieces of `piece`
+    (owner i holds [i * piece, (i + 1) * piece)), positions within the owner's piece."""
+    out = []
+    while start < stop:
+        owner, offset = divmod(start, piece)
+        take = min(piece - offset, stop - start)
+        out.append((owner, offset, offset + take))
+        start += take
+    return out
 
 
 def slice_plan(
@@ -332,50 +381,107 @@ def slice_plan(
     of length / (world * stride) (sharding.split)."""
     block = length // stride
     saved_piece, new_piece = block // saved_world, block // world
-    plan = []
-    for k in range(stride):
-        position = k * block + rank * new_piece  # chunk rank + k * world, in the TP 1 layout
-        end = position + new_piece
-        while position < end:
-            owner, offset = divmod(position % block, saved_piece)
-            take = min(saved_piece - offset, end - position)
-            plan.append((owner, k * saved_piece + offset, k * saved_piece + offset + take))
-            position += take
-    return plan
+    return [
+        (owner, k * saved_piece + start, k * saved_piece + stop)
+        for k in range(stride)  # chunk rank + k * world, in the TP 1 layout
+        for owner, start, stop in _cover(rank * new_piece, (rank + 1) * new_piece, saved_piece)
+    ]
 
 
-def _saved_shard(checkpoint, index, entry, key, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This tensor-parallel rank's shard of one saved parameter, read memory-mapped: its own
-    saved file at the saved tensor-parallel size (or for a replicated parameter), else only
-    the pieces of the saved shards that make it (`slice_plan`)."""
+def vocab_plan(vocab: int, saved_rows: int, rows: int, rank: int) -> list[tuple[int, int, int]]:
+    """Which rows of the saved shards of a vocabulary tensor (rank r's rows r * saved_rows
+    on, `stored_rows` of them stored) make the tokenizer's rows of rank `rank`'s shard of
+    `rows` rows: [(saved rank, start, stop)], in order; the shard's rows past them are
+    padding."""
+    start = rank * rows
+    return _cover(start, max(start, min(start + rows, vocab)), saved_rows)
+
+
+def with_padding(pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """A vocabulary shard of `shape` [rows, ...]: `pieces` (vocab_plan's, in order), then zero
+    rows: padding is no token's, so no loss reads it, its gradient is zero and so are its
+    moments; its weights are zero as an import from Hugging Face makes them."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    if pieces:
+        real = torch.cat(pieces)
+        out[: real.shape[0]] = real
+    return out
+
+
+def _read_piece(
+    checkpoint: Path, entry, key: str, owner: int, dim: int | None, start, stop
+) -> torch.Tensor:
+    """[start, stop) along `dim` of saved rank `owner`'s `key` of one tensor (dim None: all
+    of it), read memory-mapped."""
     from safetensors import SafetensorError, safe_open
 
+    path = checkpoint / OPTIM / file_name(owner, entry["writer"])
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if dim is None:
+                return handle.get_tensor(f"{entry['name']}/{key}")
+            view = handle.get_slice(f"{entry['name']}/{key}")
+            index_ = [slice(None)] * len(view.get_shape())
+            index_[dim] = slice(start, stop)
+            return view[tuple(index_)]
+    except (SafetensorError, OSError) as err:
+        raise LayoutFreeError(f"{path}: unreadable ({one_line(err)[:200]})") from None
+
+
+def _saved_shard(
+    checkpoint, index, entry, key, *, tp_rank: int, tp_size: int, shape, vocab: int | None
+) -> torch.Tensor:
+    """This tensor-parallel rank's shard of one saved tensor, read memory-mapped: for a
+    vocabulary tensor (`vocab` its rows), the tokenizer's rows it holds (`vocab_plan`) and
+    padding to `shape`; else its own saved file at the saved tensor-parallel size (or for a
+    replicated tensor), or only the pieces of the saved shards that make it (`slice_plan`)."""
     partition = entry["partition"] and tuple(entry["partition"])
     saved_world = index["tensor_parallel"]
+    if vocab is not None:
+        plan = vocab_plan(vocab, entry["shape"][0], shape[0], tp_rank)
+        return with_padding(
+            [_read_piece(checkpoint, entry, key, o, 0, a, b) for o, a, b in plan], shape
+        )
     if partition is None or saved_world == tp_size:
         own = 0 if partition is None else tp_rank
         return next(saved_tensors(checkpoint, index, entry, key, [own]))
     dim, stride = partition
     length = entry["shape"][dim] * saved_world  # the dim in the TP 1 layout
-    pieces = []
-    for owner, start, stop in slice_plan(length, stride, saved_world, tp_rank, tp_size):
-        path = checkpoint / OPTIM / file_name(owner, entry["writer"])
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                view = handle.get_slice(f"{entry['name']}/{key}")
-                index_ = [slice(None)] * len(view.get_shape())
-                index_[dim] = slice(start, stop)
-                pieces.append(view[tuple(index_)])
-        except (SafetensorError, OSError) as err:
-            raise LayoutFreeError(f"{path}: unreadable ({one_line(err)[:200]})") from None
-    return torch.cat(pieces, dim=dim)
+    return torch.cat(
+        [
+            _read_piece(checkpoint, entry, key, owner, dim, start, stop)
+            for owner, start, stop in slice_plan(length, stride, saved_world, tp_rank, tp_size)
+        ],
+        dim=dim,
+    )
+
+
+def _vocab_of(checkpoint: Path, entry, name: str, vocab_size: int) -> int | None:
+    """The tokenizer's rows of a saved vocabulary tensor (None for other tensors), which
+    must be this model's."""
+    if not has_vocab_rows(name):
+        return None
+    saved = entry.get("vocab_rows", vocab_size)  # format 1: not recorded, the arch's (checked)
+    if saved != vocab_size:
+        raise LayoutFreeError(
+            f"{checkpoint / OPTIM}: {name} was saved with {saved} vocabulary rows, "
+            f"this model has {vocab_size}"
+        )
+    return vocab_size
 
 
 def load(
-    module: torch.nn.Module, zero: Any, checkpoint: Path, *, tp_rank: int, tp_size: int
+    module: torch.nn.Module,
+    zero: Any,
+    checkpoint: Path,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    vocab_size: int,
 ) -> dict[str, Any]:
     """Set every parameter's fp32 master, Adam moments and step from the layout-free state,
-    then the model's weights from the masters; returns the index (schedule, counters)."""
+    then the model's weights from the masters; returns the index (schedule, counters).
+    `vocab_size`: the model's (unpadded) vocabulary rows."""
     index = read_index(checkpoint)
     saved = {entry["canonical"]: entry for entry in index["params"]}
     params = trained_parameters(module)
@@ -393,12 +499,23 @@ def load(
         entry = saved[canonical(name)]
         if (entry["partition"] and tuple(entry["partition"])) != partition_of_param(param):
             raise LayoutFreeError(f"{checkpoint / OPTIM}: {name} is partitioned differently")
+        shape = full_shape(param)
+        vocab = _vocab_of(checkpoint, entry, name, vocab_size)
         for key in KEYS:
-            value = _saved_shard(checkpoint, index, entry, key, tp_rank, tp_size)
-            if tuple(value.shape) != full_shape(param):
+            value = _saved_shard(
+                checkpoint,
+                index,
+                entry,
+                key,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                shape=shape,
+                vocab=vocab,
+            )
+            if tuple(value.shape) != shape:
                 raise LayoutFreeError(
                     f"{checkpoint / OPTIM}: {name} has shape {tuple(value.shape)} at tensor "
-                    f"parallel {tp_size}, the model {full_shape(param)}"
+                    f"parallel {tp_size}, the model {shape}"
                 )
             _set(param, key, value.to(device))
         steps.add(int(entry["step"]))
@@ -407,11 +524,15 @@ def load(
         raise LayoutFreeError(f"{checkpoint / OPTIM}: Adam step counts differ: {sorted(steps)}")
     _set_adam_step(zero, steps.pop())
     _model_weights_from_masters(zero)
-    _load_buffers(module, checkpoint, index, tp_rank=tp_rank, tp_size=tp_size)
+    _load_buffers(
+        module, checkpoint, index, tp_rank=tp_rank, tp_size=tp_size, vocab_size=vocab_size
+    )
     return index
 
 
-def _load_buffers(module, checkpoint: Path, index, *, tp_rank: int, tp_size: int) -> None:
+def _load_buffers(
+    module, checkpoint: Path, index, *, tp_rank: int, tp_size: int, vocab_size: int
+) -> None:
     """The saved buffers into this rank's module: EMO's cost embedding is made from the
     weights the run started from, which a run at another layout need not make again alike
     (GPU initialization draws each tensor-parallel shard from its own generator)."""
@@ -420,7 +541,17 @@ def _load_buffers(module, checkpoint: Path, index, *, tp_rank: int, tp_size: int
         entry = saved.get(canonical(name))
         if entry is None:
             raise LayoutFreeError(f"{checkpoint / OPTIM}: no buffer {name}")
-        value = _saved_shard(checkpoint, index, entry, BUFFER, tp_rank, tp_size)
+        vocab = _vocab_of(checkpoint, entry, name, vocab_size)
+        value = _saved_shard(
+            checkpoint,
+            index,
+            entry,
+            BUFFER,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            shape=tuple(buffer.shape),
+            vocab=vocab,
+        )
         if value.shape != buffer.shape:
             raise LayoutFreeError(
                 f"{checkpoint / OPTIM}: buffer {name} has shape {tuple(value.shape)} at tensor "

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..config import ConfigError, RunConfig
 from ..data import DataError
-from ..data.loader import check_resumable, load_manifests
+from ..data.format import load_manifests
+from ..data.state import check_resumable
 from ..losses.vocab import TokenizerError
 from ..models.device import resolve_device
 from .initial_weights import open_initial_weights

@@ -31,7 +31,7 @@ from del_megatron.data import (
     trace,
 )
 from del_megatron.data.format import read_shard, resolve
-from del_megatron.data.loader import check_resumable
+from del_megatron.data.state import check_resumable
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +308,7 @@ def test_a_taken_epoch_ahead_of_every_slot_survives_the_next_reshard(corpora):
     must be carried on, or the reshard after it reads those documents again."""
     from del_megatron.data import cursor
     from del_megatron.data.format import read_manifest
-    from del_megatron.data.loader import _taken_after
+    from del_megatron.data.reshard import taken_after
 
     manifest = read_manifest(str(corpora["many"]))
     ahead = np.zeros(manifest.documents, bool)
@@ -317,7 +317,7 @@ def test_a_taken_epoch_ahead_of_every_slot_survives_the_next_reshard(corpora):
     before[0][:5] = True
     start = {"epoch": 0, "shard_pos": 0, "sample_pos": 0, "seen": 0, "taken": 0}
     order = cursor.Order(5, True, 0)
-    first, taken = _taken_after(manifest, order, before, [start, dict(start)], [set(), set()], 2)
+    first, taken = taken_after(manifest, order, before, [start, dict(start)], [set(), set()], 2)
     assert first == 0
     assert np.array_equal(taken[1], ahead)
 

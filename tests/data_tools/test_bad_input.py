@@ -224,6 +224,10 @@ def test_directory_inputs_take_every_file_or_refuse(tmp_path, capsys, synth_toke
         ),
         (["tokenizer", "{empty}", "-o", "{tmp}/t.model"], "no text to train on in"),
         (
+            ["tokenizer", "{empty}", "-o", "{tmp}/t.json", "--style", "llama3"],
+            "no text to train on in",
+        ),
+        (
             ["tokenizer", "{good}", "-o", "{tmp}/t.model", "--vocab-size", "20"],
             "cannot train a tokenizer: ",
         ),

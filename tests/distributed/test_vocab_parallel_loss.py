@@ -2,7 +2,8 @@
 
 The worker (workers/tp_loss.py) checks values, statistics and gradients for every kind and
 digit layout in float64 (1e-10) and float32 (1e-5, relative for sums), kind=mle against
-megatron-core's vocab_parallel_cross_entropy, and the collective counts.
+megatron-core's vocab_parallel_cross_entropy, the collective counts, and grouped digits (the
+unfused and the fused op against the reference and the float64 loop oracle).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ pytestmark = pytest.mark.slow
 def test_matches_reference_with_megatron_group(tp):
     output = run_torchrun("tp_loss.py", tp, "reference")
     assert f"OK 624 cases on {tp} ranks" in output
+    # grouped digits (1..3 per token), unfused and fused against the reference and the oracle
+    assert f"OK 26 grouped cases on {tp} ranks" in output
 
 
 def test_explicit_group_without_megatron_state():

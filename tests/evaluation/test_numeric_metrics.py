@@ -227,3 +227,63 @@ def test_no_operation_whose_size_depends_on_the_data():
     with DataDependent() as mode:
         sum_scores([batch(logits, labels)] * 2, score, torch.device("cpu"))
     assert mode.found == []
+    grouped = grouped_ids(["x", "12", "34", ".", "5", "x"])  # and per digit slot
+    with DataDependent() as mode:
+        batch_statistics(
+            grouped_logits(grouped), torch.tensor([grouped]), torch.ones(1, 6), GROUPED
+        )
+    assert mode.found == []
+
+
+# ---- a grouped tokenizer: number tokens of 1..2 digits (ids 30.. for '00'..'99') --------
+
+GROUPED_V = 140
+GROUPED = DigitVocab(
+    digit_ids=list(range(10, 20)),
+    point_ids=[20],
+    vocab_size=GROUPED_V,
+    numbers={f"{n:02d}": [30 + n] for n in range(100)},
+)
+
+
+def grouped_ids(pieces: list[str]) -> list[int]:
+    """['x', '12', '.', '5'] -> ids."""
+    return [
+        WORD if p == "x" else POINT if p == "." else digit(int(p)) if len(p) == 1 else 30 + int(p)
+        for p in pieces
+    ]
+
+
+def grouped_logits(labels: list[int], greedy: dict[int, int] | None = None) -> torch.Tensor:
+    """[1, s, V]: the target (or `greedy`'s id at that position) far above everything."""
+    rows = torch.full((len(labels), GROUPED_V), -30.0)
+    for t, label in enumerate(labels):
+        rows[t, (greedy or {}).get(t, label)] = 10.0
+    return rows[None]
+
+
+def test_grouped_metrics_are_per_digit_slot_across_number_tokens():
+    labels = grouped_ids(["x", "12", "34", ".", "5", "x"])  # 1234.5, "34" read as "39"
+    logits = grouped_logits(labels, greedy={2: 30 + 39})
+    stats = batch_statistics(logits, torch.tensor([labels]), torch.ones(1, 6), GROUPED)
+    result = numeric_metrics({k: v.tolist() if v.dim() else float(v) for k, v in stats.items()})
+    assert result["digits"] == 5 and result["numbers"] == 1
+    assert result["number_abs_error"] == pytest.approx(5)
+    assert result["digit_cond_acc"] == pytest.approx(4 / 5)
+    assert result["digit_acc"] == pytest.approx(3 / 5)  # both digits of the wrong token
+    assert result["digit_acc_by_place"] == {
+        "int_0": 0.0, "int_1": 1.0, "int_2": 1.0, "int_3": 1.0, "dec_1": 1.0
+    }  # fmt: skip
+    assert result["digit_entropy"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_grouped_vocabulary_at_m1_gives_the_single_digit_statistics(monkeypatch):
+    """The grouped rows forced on a single-digit vocabulary: the same sums, exactly."""
+    labels = tokens_of("x 12.5 x 3 x 40 x 7.25 x 3.14.15")
+    logits = logits_for(labels, greedy={2: 4, 9: 1}, p=0.6)
+    args = (logits, torch.tensor([labels]), torch.ones(1, len(labels)), VOCAB)
+    today = batch_statistics(*args)
+    monkeypatch.setattr(DigitVocab, "grouped", property(lambda self: True))
+    grouped = batch_statistics(*args)
+    for key, value in today.items():
+        assert torch.equal(grouped[key], value), key

@@ -1,15 +1,17 @@
-"""bench/gpu_acceptance.sh without a GPU (its no-GPU exit, --dry-run, --only) and the pure parts
-of its helper bench/gpu_acceptance.py (rows, table, JSON, weights and loss comparison, figures
-of the benchmarks' output). The CPU smoke run (--cpu-smoke) is not part of the suite: it
-trains several tiny runs, minutes on CI's two cores."""
+"""bench/gpu_acceptance.sh without a GPU: its refusal when a GPU is listed but unusable, its
+plan and budget, and every check's assertions fed good and broken inputs (the commands
+replaced by what they would write), so that each row is shown to fail. The CPU smoke run
+(--cpu-smoke) is not part of the suite: it trains several tiny runs, minutes on CI's cores."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import stat
 import subprocess
+import sys
+import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -19,269 +21,332 @@ from safetensors.torch import save_file
 from ..distributed.launcher import ROOT
 
 SCRIPT = ROOT / "bench" / "gpu_acceptance.sh"
-CHECKS = [
-    "env",
-    "transformer-engine",
-    "data",
-    "train-tp1",
-    "train-fused-tp1",
-    "stop-resume-tp1",
-    "train-tp2",
-    "train-fused-tp2",
-    "stop-resume-tp2",
-    "init-hf",
-    "del-eval",
-    "bench-hook-ce",
-    "bench-hook-ce-fp32",
-    "bench-fused",
-    "bench-train-step",
-]
 
 
-def _helper():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_acceptance", ROOT / "bench" / "gpu_acceptance.py"
-    )
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", SCRIPT.with_suffix(".py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
-helper = _helper()
+acc = _load()
 
 
-def run_script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """The script with an nvidia-smi that lists no GPU first on PATH: the no-GPU path, also
-    on a machine that has one."""
+def run_script(tmp_path: Path, smi: str, *args: str) -> subprocess.CompletedProcess:
+    """The script with a fake nvidia-smi first on PATH (this machine's torch: a CPU build)."""
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
-    smi = fake / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho 'No devices were found' >&2\nexit 6\n")
-    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    (fake / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
+    (fake / "nvidia-smi").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "OUT": str(tmp_path)}
-    return subprocess.run(
-        ["bash", str(SCRIPT), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=env, text=True,
+                          capture_output=True, timeout=120, check=False)
 
 
-def test_no_gpu_skips_every_check_and_exits_0(tmp_path):
-    out = run_script(tmp_path)
+def test_a_listed_gpu_that_torch_cannot_use_fails_in_one_line(tmp_path):
+    out = run_script(tmp_path, "echo 'GPU 0: NVIDIA H200 (UUID: GPU-1)'")
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert "nvidia-smi lists 1 GPU(s) but torch" in out.stderr and "sees none" in out.stderr
+    assert not (tmp_path / "gpu_acceptance.json").exists()  # nothing ran, nothing passed
+
+
+def test_which_gpus_are_used():
+    assert acc.gpus_to_use(listed=8, seen=8, torch_version="2.13.0") == 8
+    assert acc.gpus_to_use(listed=0, seen=1, torch_version="2.13.0") == 1  # no nvidia-smi
+    with pytest.raises(SystemExit, match="lists 2 GPU.* but torch 2.13.0.*sees none"):
+        acc.gpus_to_use(listed=2, seen=0, torch_version="2.13.0")
+    with pytest.raises(SystemExit, match="no GPU, nothing checked"):  # nothing accepted: 1
+        acc.gpus_to_use(listed=0, seen=0, torch_version="2.13.0")
+
+
+def test_the_plan_fits_8_minutes_on_one_h200(tmp_path):
+    one_gpu = acc.plan_for(1)
+    assert sum(estimate for _, _, estimate, _ in one_gpu) <= acc.BUDGET_S == 480
+    assert [name for name, *_ in one_gpu if name.endswith("-tp2")] == []
+    assert {"train-tp2", "stop-resume-tp2"} <= {name for name, *_ in acc.plan_for(2)}
+    out = run_script(tmp_path, "exit 6", "--plan")  # prints the estimates; no GPU needed
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith(f"no GPU: {len(CHECKS)} checks skipped")
-    assert not (tmp_path / "gpu_acceptance.json").exists()  # nothing ran
+    assert "budget 480 s" in out.stdout and "train-tp1             ~ 90 s" in out.stdout
 
 
-def listed(stdout: str) -> list[str]:
-    """The check names of a --dry-run listing (the lines that are not indented)."""
-    return [
-        line.split(" (time limit")[0]
-        for line in stdout.splitlines()[1:]
-        if line and not line.startswith(" ")
-    ]
+# ---- the checks' assertions, the commands replaced ----------------------------------------
 
 
-def test_dry_run_lists_every_check_with_its_commands(tmp_path):
-    out = run_script(tmp_path, "--dry-run")
-    assert out.returncode == 0, out.stderr
-    assert listed(out.stdout) == CHECKS
-    text = out.stdout
-    # the user's entry points, the device and today's benchmark flags
-    assert (
-        "bash launch/torchrun.sh --nproc-per-node 1 configs/tiny_cpu.yaml train.device=cuda" in text
-    )
-    assert "bash launch/torchrun.sh --nproc-per-node 2 " in text  # the TP 2 checks
-    assert "loss.fused_output=true" in text
-    assert "-m del_megatron.cli.convert megatron-to-hf" in text
-    assert "-m del_megatron.cli.eval compare" in text
-    assert "init.hf=" in text and "model.tie_word_embeddings=true" in text
-    assert "bench/loss_fused.py --device cuda --dtype bf16 --tp 1 --tokens 16384" in text
-    assert "bench/train_step.py --gpu-7b" in text
-    assert "bench/loss_tp.py --device cuda --dtype bf16 --vocab 152064" in text
-    assert "SIGUSR1" in text
+def check(tmp_path, mode=acc.CPU, outputs=(), actions=None, seconds=60.0):
+    """A Check whose commands return `outputs` in turn; actions[i](cmd) writes what the i-th
+    command would have written."""
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    c = acc.Check("t", mode, tmp_path, dict(os.environ), time.monotonic() + seconds)
+    outputs, calls = list(outputs), []
+
+    def run(*cmd, ok=(0,), env=None, stop_when=None):
+        calls.append((cmd, env))
+        if actions and len(calls) - 1 in actions:
+            actions[len(calls) - 1](cmd)
+        return outputs.pop(0) if outputs else ""
+
+    c.run, c.calls = run, calls
+    return c
 
 
-def test_dry_run_cpu_smoke_and_only(tmp_path):
-    out = run_script(tmp_path, "--dry-run", "--cpu-smoke", "--only", "del-eval")
-    assert out.returncode == 0, out.stderr
-    assert listed(out.stdout) == ["env", "data", "train-tp1", "del-eval"]  # with what it needs
-    assert "train.device=cpu" in out.stdout and "cuda" not in out.stdout
-    assert "--agree-within 1e-4" in out.stdout  # on the CPU every del-eval metric, as .ci/run
+def verdict(function, c) -> str:
+    """'pass', or the note of the row it would make."""
+    try:
+        function(c)
+    except (acc.Failed, acc.Skipped) as err:
+        return f"{type(err).__name__}: {err}"
+    return "pass"
 
 
-def test_unknown_check_is_refused(tmp_path):
-    out = run_script(tmp_path, "--only", "train-tp3")
-    assert out.returncode == 2
-    assert "unknown check 'train-tp3'" in out.stderr
+ENV = {"gpus": 1, "deepspeed_accelerator": "cuda", "fused_weight_grad": "addmm", "torch": "x"}
 
 
-# ---- the helper ----------------------------------------------------------------------------
+def test_env(tmp_path):
+    good = json.dumps(ENV)
+    assert verdict(acc.check_env, check(tmp_path, acc.GPU, [good])) == "pass"
+    assert "gpus = 0" in verdict(acc.check_env, check(tmp_path, acc.GPU, [json.dumps(
+        {**ENV, "gpus": 0})]))
+    assert "accelerator cpu" in verdict(acc.check_env, check(tmp_path, acc.GPU, [json.dumps(
+        {**ENV, "deepspeed_accelerator": "cpu"})]))
 
 
-def test_rows_from_exit_status_notes_and_log():
-    notes = {"status": "pass", "note": "fine", "figures": {"x": 1.5}}
-    row = helper.make_row("a", rc=0, seconds=1.234, notes=notes)
-    assert row == {
-        "name": "a",
-        "status": "pass",
-        "seconds": 1.2,
-        "note": "fine",
-        "figures": {"x": 1.5},
-    }
-    log = "starting\nRuntimeError: CUDA out of memory\ncleanup\n"
-    failed = helper.make_row("b", rc=1, seconds=2.0, notes=None, log=log)
-    assert failed["status"] == "fail"
-    assert failed["note"] == "exit 1: RuntimeError: CUDA out of memory"
-    assert helper.make_row("c", rc=124, seconds=9.0, notes=notes)["note"].startswith(
-        "ran past its time limit"
-    )
-    # a failing verdict of the check itself is its note
-    said = helper.make_row("d", rc=1, seconds=1.0, notes={"status": "fail", "note": "differs"})
-    assert said["note"] == "differs"
-    # a check may skip itself (Transformer Engine not installed) and exit 0
-    own = helper.make_row("e", rc=0, seconds=0.1, notes={"status": "skipped", "note": "no TE"})
-    assert own["status"] == "skipped"
-    skipped = helper.make_row("f", rc=None, seconds=None, notes=None, skipped="needs 2 GPUs")
-    assert skipped["status"] == "skipped" and skipped["seconds"] is None
+def test_deepspeed_config(tmp_path):
+    config = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+    assert verdict(acc.check_deepspeed_config, check(tmp_path, outputs=[
+        "del-train: ...\n" + json.dumps(config)])) == "pass"
+    bf16_sums = json.dumps({"bf16": {"enabled": True}})  # DeepSpeed's default: bf16
+    assert "grad_accum_dtype None" in verdict(acc.check_deepspeed_config,
+                                               check(tmp_path, outputs=[bf16_sums]))
 
 
-def test_table_and_json(tmp_path):
-    rows = [
-        helper.make_row(
-            "env", rc=0, seconds=1.0, notes={"note": "ok", "figures": {"torch": "2.11"}}
-        ),
-        helper.make_row("train-tp2", rc=None, seconds=None, notes=None, skipped="needs 2 GPUs"),
-        helper.make_row("bench", rc=0, seconds=3.0, notes={"figures": {"ratio": 1.23456}}),
-    ]
-    table = helper.render_table(rows)
-    lines = table.splitlines()
-    assert lines[0].split() == ["check", "status", "s", "note", "/", "figures"]
-    assert "ok; torch=2.11" in table and "ratio=1.235" in table
-    assert lines[-1] == "2 passed, 0 failed, 1 skipped"
-    results = tmp_path / "results.jsonl"
-    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out.json"
-    assert (
-        helper.main(["table", str(results), "--json", str(out), "--meta", '{"mode": "gpu"}']) == 0
-    )
-    document = json.loads(out.read_text())
-    assert document["mode"] == "gpu" and document["passed"] == 2 and document["skipped"] == 1
-    assert [c["name"] for c in document["checks"]] == ["env", "train-tp2", "bench"]
-    with results.open("a") as f:
-        f.write(json.dumps(helper.make_row("x", rc=1, seconds=1.0, notes=None)) + "\n")
-    assert helper.main(["table", str(results)]) == 1  # a failed check fails the script
+def write_run(root: Path, name: str, steps: int, change=None) -> None:
+    run = root / name
+    (run / "checkpoints" / f"step-{steps:07d}").mkdir(parents=True, exist_ok=True)
+    records = [{"step": s, "loss": 7.0 - 0.1 * s, "grad_norm": 2.0 + s, "tokens_per_s": 10.0}
+               for s in range(1, steps + 1)]
+    for record in records:
+        (change or (lambda r: None))(record)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def write_checkpoint(run: Path, step: int, tensors: dict[str, torch.Tensor], losses: list[float]):
-    model = run / "checkpoints" / f"step-{step:07d}" / "model"
-    model.mkdir(parents=True)
-    save_file(tensors, str(model / "tp00.safetensors"))
-    with (run / "metrics.jsonl").open("w") as f:
-        for i, loss in enumerate(losses, 1):
-            f.write(json.dumps({"step": i, "loss": loss, "tokens_per_s": 100.0 * i}) + "\n")
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (None, "pass"),
+        (lambda r: r.update(grad_norm=r["grad_norm"] * 1.01) if r["step"] == 1 else None,
+         "step1_grad_norm_rel_diff"),  # the backward of step 1 (issue 25 item 7)
+        (lambda r: r.update(loss=r["loss"] + 1e-3) if r["step"] == 1 else None,
+         "step1_loss_rel_diff"),
+        (lambda r: r.update(loss=r["loss"] + 1e-3) if r["step"] == 6 else None,
+         "loss_max_rel_diff"),  # a later step: updates from the fused op's gradients
+        (lambda r: r.update(loss=float("nan")) if r["step"] == 2 else None, "step 2: loss nan"),
+        (lambda r: r.update(loss=7.0), "loss_fall"),
+    ],
+)
+def test_fused_run_against_the_unfused_one(tmp_path, change, expected):
+    write_run(tmp_path, "train-tp1", 8)
+    c = check(tmp_path, actions={0: lambda cmd: write_run(tmp_path, "train-fused-tp1", 8, change)})
+    result = verdict(lambda c: acc.check_train(c, 1, True), c)
+    assert (result == "pass") if expected == "pass" else (expected in result), result
+    assert "loss.fused_output=true" in c.calls[0][0]
 
 
-def test_weights_comparison(tmp_path):
-    w = {"a": torch.randn(4, 3).bfloat16(), "b": torch.arange(5.0)}
-    write_checkpoint(tmp_path / "x", 3, w, [3.0, 2.0, 1.0])
-    write_checkpoint(tmp_path / "y", 3, {k: v.clone() for k, v in w.items()}, [3.0, 2.0, 1.0])
-    x, y = (helper.checkpoint_dir(tmp_path / n, 3) for n in "xy")
-    assert helper.compare_weights(x, y) == {"bit_equal": True, "max_abs_diff": 0.0, "tensors": 2}
-    changed = {**w, "b": torch.arange(5.0) + torch.tensor([0, 0, 0.25, 0, 0])}
-    write_checkpoint(tmp_path / "z", 3, changed, [3.0, 2.0, 1.5])
-    z = helper.checkpoint_dir(tmp_path / "z", 3)
-    result = helper.compare_weights(x, z)
-    assert not result["bit_equal"] and result["max_abs_diff"] == 0.25
-    write_checkpoint(tmp_path / "n", 3, {"a": w["a"]}, [3.0])
-    with pytest.raises(ValueError, match="tensor names differ"):
-        helper.compare_weights(x, helper.checkpoint_dir(tmp_path / "n", 3))
-    # the stop/resume verdict: bit-equal passes; a difference passes only within tolerance
-    notes = tmp_path / "notes.json"
-    argv = ["compare-runs", str(tmp_path / "x"), str(tmp_path / "y"), "--steps", "3"]
-    assert helper.main([*argv, "--stopped-at", "1", "--notes", str(notes)]) == 0
-    assert "bit-equal" in json.loads(notes.read_text())["note"]
-    argv[2] = str(tmp_path / "z")
-    assert helper.main([*argv, "--stopped-at", "1", "--notes", str(notes)]) == 1
-    tolerant = ["--weights-tol", "0.3", "--loss-tol", "0.6", "--notes", str(notes)]
-    assert helper.main([*argv, "--stopped-at", "1", *tolerant]) == 0
-    verdict = json.loads(notes.read_text())
-    assert "not bit-equal: max diff 0.25" in verdict["note"]
-    assert verdict["figures"]["loss_max_abs_diff_after_resume"] == 0.5
+def test_a_run_with_a_step_missing_fails(tmp_path):
+    c = check(tmp_path, actions={0: lambda cmd: write_run(tmp_path, "train-tp1", 7)})
+    assert "expected 1..8" in verdict(lambda c: acc.check_train(c, 1, False), c)
 
 
-def test_train_figures(tmp_path):
-    write_checkpoint(tmp_path / "run", 3, {"a": torch.zeros(1)}, [3.0, 2.0, 1.0])
-    write_checkpoint(tmp_path / "ref", 3, {"a": torch.zeros(1)}, [3.0 + 1e-7, 2.5, 2.0])
-    notes = tmp_path / "notes.json"
-    argv = ["train-figures", str(tmp_path / "run"), "--steps", "3", "--notes", str(notes)]
-    assert helper.main(argv) == 0
-    figures = json.loads(notes.read_text())["figures"]
-    assert figures["loss_step3"] == 1.0 and figures["tokens_per_s"] == 300.0
-    assert helper.main([*argv, "--reference", str(tmp_path / "ref"), "--tol", "1e-6"]) == 0
-    assert helper.main([*argv, "--reference", str(tmp_path / "ref"), "--tol", "1e-9"]) == 1
-    assert helper.main([*argv[:3], "4", *argv[4:]]) == 1  # a step missing
+def write_weights(run: Path, steps: int, bump: float = 0.0) -> None:
+    model = run / "checkpoints" / f"step-{steps:07d}" / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    save_file({"w": torch.arange(6.0).reshape(2, 3) + bump}, str(model / "tp00.safetensors"))
 
 
-HOOK_CE = """\
-device cuda, bf16, TP 1, logits [8192, 2, 152064] per rank, V=152064, digit targets 15.0%
-                     fwd+bwd ms    time  peak MiB, logits peak MiB, logits
-                                            handed over   kept by caller
-megatron fused CE          12.3  1.000x              9000             9000
-hook (kind=del)            14.1  1.146x              9500             9600
-hook / megatron fused CE: time 1.146x, peak 1.056x (logits handed over), \
-1.067x (logits kept by the caller)
+@pytest.mark.parametrize(("bump", "stop_step", "expected"), [
+    (0.0, 4, "pass"), (1e-3, 4, "weights_max_abs_diff"), (0.0, 8, "stopped_at = 8")])
+def test_stop_and_resume(tmp_path, bump, stop_step, expected):
+    write_run(tmp_path, "train-tp1", 8)
+    write_weights(tmp_path / "train-tp1", 8)
+    run = tmp_path / "stop-resume-tp1"
+
+    def stopped(cmd):
+        write_run(tmp_path, run.name, stop_step)
+        (run / "checkpoints" / f"step-{stop_step:07d}").mkdir(parents=True, exist_ok=True)
+
+    def resumed(cmd):
+        write_run(tmp_path, run.name, 8)
+        write_weights(run, 8, bump)
+
+    result = verdict(lambda c: acc.check_stop_resume(c, 1),
+                     check(tmp_path, actions={0: stopped, 1: resumed}))
+    assert (result == "pass") if expected == "pass" else (expected in result), result
+
+
+def test_one_rank_collectives(tmp_path, monkeypatch):
+    write_run(tmp_path, "train-tp1", 8)
+    monkeypatch.setattr(acc, "ONE_RANK_SWITCH", "NOT_READ_ANYWHERE_" + "X" * 8)
+    assert verdict(acc.check_one_rank_collectives, check(tmp_path)).startswith("Skipped")
+    monkeypatch.setattr(acc, "ONE_RANK_SWITCH", "CUDA_DEVICE_MAX_CONNECTIONS")  # one we read
+
+    def one_rank(change):
+        return {0: lambda cmd: write_run(tmp_path, "one-rank", 3, change)}
+
+    c = check(tmp_path, actions=one_rank(None))
+    assert verdict(acc.check_one_rank_collectives, c) == "pass"
+    assert c.calls[0][1]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    c = check(tmp_path, actions=one_rank(lambda r: r.update(loss=r["loss"] + 1e-6)))
+    assert "loss_max_rel_diff" in verdict(acc.check_one_rank_collectives, c)  # CPU: bit-equal
+
+
+def write_eval(tmp_path: Path, name: str, loss: float, tied: bool = True) -> None:
+    for kind, value in (("checkpoint", 4.0), ("hf", loss)):
+        out = tmp_path / f"{name}-{kind}"
+        out.mkdir(exist_ok=True)
+        numeric = {"loss": value, "digit_entropy": 2.0, "digit_acc": 0.5, "number_abs_error": 9}
+        (out / "results.json").write_text(json.dumps({"numeric": numeric}))
+    export = tmp_path / f"{name}-export"
+    export.mkdir(exist_ok=True)
+    (export / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+    tensors = {"model.embed_tokens.weight": torch.zeros(2)}
+    save_file({**tensors, **({} if tied else {"lm_head.weight": torch.zeros(2)})},
+              str(export / "model.safetensors"))
+
+
+@pytest.mark.parametrize(("loss", "tied", "expected"), [
+    (4.0, True, "pass"), (4.01, True, "loss_rel_diff"), (4.0, False, "lm_head.weight")])
+def test_init_hf_and_del_eval(tmp_path, loss, tied, expected):
+    c = check(tmp_path, actions={2: lambda cmd: write_eval(tmp_path, "init-hf", loss, tied)})
+    result = verdict(acc.check_init_hf, c)
+    assert (result == "pass") if expected == "pass" else (expected in result), result
+    if tied:
+        c = check(tmp_path, actions={0: lambda cmd: write_eval(tmp_path, "eval", loss)})
+        assert (verdict(acc.check_del_eval, c) == "pass") == (expected == "pass")
+
+
+# What the benchmarks print, from their own format strings (bench/loss_tp.py,
+# bench/loss_fused.py, bench/train_step.py).
+HOOK = """hook (kind=del)            14.1  1.020x              9500             9600
+hook / megatron fused CE: time {t:.3f}x, peak {p:.3f}x (logits handed over), 1.067x (logits kept)
 """
-FUSED = """\
-device cuda, bf16, TP 1, V=152064 (V/tp 152064), h=1536, 16384 tokens, chunk 1024, torch 2.11
-           fwd+bwd s    time  peak MiB  memory
-megatron        0.05  1.000x     19000  1.000x
-fused           0.06  1.200x      1200  0.063x
-fused / megatron: time 1.200x, peak memory 0.063x
-chunk    512: time 1.300x, peak 900 MiB (0.047x)
+FUSED = """fused / megatron: time {t:.3f}x, peak memory {p:.3f}x (.grad fresh)
+chunk   4096: fused time {ct:.3f}x, peak (fresh) 1200 MiB ({cp:.3f}x)
 """
-TRAIN_STEP = """\
-GPU 4-layer Llama-2-7B widths, TP 1, DP 1, 16384 tokens a step
-kind     step ms   ratio   tokens/s  TFLOP/s    MFU
+STEP = """kind     step ms   ratio   tokens/s  TFLOP/s    MFU
 mle        800.0  1.000x      20480    400.0  0.404
-del        840.0  1.050x      19505    381.0  0.385
+del        {d:5.1f}  1.050x      19505    381.0  {m:.3f}
 """
+GOOD = {"t": 0.98, "p": 0.05, "ct": 0.9, "cp": 0.3, "d": 820.0, "m": 0.385}
 
 
-def test_benchmark_figures():
-    hook = helper.bench_figures("hook-ce", HOOK_CE)
-    assert hook == {
-        "hook_over_megatron_time": 1.146,
-        "hook_over_megatron_peak": 1.056,
-        "hook_over_megatron_peak_logits_kept": 1.067,
-        "megatron_ms": 12.3,
-        "hook_ms": 14.1,
-    }
-    fused = helper.bench_figures("fused", FUSED)
-    assert fused["fused_over_megatron_time"] == 1.2 and fused["chunk512_peak"] == 0.047
-    step = helper.bench_figures("train-step", TRAIN_STEP)
-    assert step["del_over_mle"] == pytest.approx(1.05) and step["mfu_del"] == 0.385
-    assert step["tflops_del"] == 381.0 and step["tokens_per_s_del"] == 19505
-    assert helper.bench_figures("fused", "a new format\n") == {}  # then the log's last line
+@pytest.mark.parametrize(("function", "text", "broken", "figure"), [
+    (acc.check_bench_hook, HOOK, {"t": 1.2}, "hook_over_megatron_time"),
+    (acc.check_bench_hook, HOOK, {"p": 1.5}, "hook_over_megatron_peak"),
+    (acc.check_bench_fused, FUSED, {"t": 1.2}, "fused_over_megatron_time"),
+    (acc.check_bench_fused, FUSED, {"p": 0.2}, "fused_over_megatron_peak"),
+    (acc.check_bench_fused, FUSED, {"ct": 1.1}, "chunk4096_time"),
+    (acc.check_bench_fused, FUSED, {"cp": 0.7}, "chunk4096_peak"),
+    (acc.check_bench_train_step, STEP, {"d": 900.0}, "del_over_mle"),
+    (acc.check_bench_train_step, STEP, {"m": 0.1}, "mfu_del"),
+])
+def test_every_benchmark_figure_can_fail(tmp_path, function, text, broken, figure):
+    good = check(tmp_path, acc.GPU, [text.format(**GOOD)])
+    assert verdict(function, good) == "pass"
+    assert figure in good.figures
+    bad = verdict(function, check(tmp_path, acc.GPU, [text.format(**{**GOOD, **broken})]))
+    assert bad.startswith(f"Failed: {figure} = "), bad
+    assert "printed no" in verdict(function, check(tmp_path, acc.GPU, ["a new format\n"]))
 
 
-def test_failure_line():
-    assert helper.failure_line("a\nValueError: bad\nb\n") == "ValueError: bad"
-    assert helper.failure_line("one\ntwo\n\n") == "two"
-    assert helper.failure_line("") == "no output"
+# ---- running commands, rows, installing ---------------------------------------------------
 
 
-def test_eval_agreement():
-    ours = {"loss": 4.0, "digit_entropy": 2.0, "digit_acc": 0.5, "number_abs_error": 100.0}
-    close = {**ours, "loss": 4.0 + 4e-3, "digit_acc": 0.45, "number_abs_error": 180.0}
-    beyond, figures = helper.eval_agreement(ours, close, 2e-3 / 2)
-    assert beyond == []  # 4e-3 <= 1e-3 * 4: relative to |value|; flips are reported only
-    assert figures["digit_acc_diff"] == pytest.approx(0.05)
-    assert figures["number_abs_error_diff"] == 80.0
-    beyond, _ = helper.eval_agreement(ours, {**close, "digit_entropy": 2.1}, 1e-3)
-    assert beyond == ["digit_entropy 2 vs 2.1"]
-    assert helper.eval_agreement(ours, {"loss": 4.0}, 1.0)[0][0] == "digit_entropy missing"
+def test_a_command_past_its_limit_is_stopped_and_fails(tmp_path):
+    (tmp_path / "logs").mkdir()
+    c = acc.Check("t", acc.CPU, tmp_path, dict(os.environ), time.monotonic() + 0.5)
+    start = time.monotonic()
+    with pytest.raises(acc.Failed, match="ran past its time limit"):  # (as torchrun's ranks)
+        c.run("bash", "-c", f"setsid sleep 30 & echo $! > {tmp_path}/sleeper; wait")
+    assert time.monotonic() - start < 10
+    sleeper = (tmp_path / "sleeper").read_text().strip()
+    for _ in range(50):  # killed: gone (or a zombie until init reaps it) within 5 s
+        try:
+            state = Path(f"/proc/{sleeper}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        if state in ("gone", "Z"):
+            break
+        time.sleep(0.1)
+    assert state in ("gone", "Z")  # its own session did not save it
+    c.deadline = time.monotonic() + 30  # SIGUSR1 once asked for; 75 is what it expects
+    script = f"trap 'kill $!; exit 75' USR1; echo hi; touch {tmp_path}/ready; sleep 30 & wait"
+    ready = (tmp_path / "ready").exists
+    assert c.run("bash", "-c", script, ok=(75,), stop_when=ready) == "hi\n"
+    with pytest.raises(acc.Failed, match=r"exit 3 \(expected 0\): RuntimeError: bad"):
+        c.run("bash", "-c", "echo 'RuntimeError: bad'; echo later; exit 3")
+
+
+def test_rows_and_table(tmp_path):
+    (tmp_path / "logs").mkdir()
+
+    def bug(c):
+        raise KeyError("x")
+
+    def passes(c):
+        c.within("ratio", 0.5, hi=1.0)
+        return "fine"
+
+    plan = [("a", passes, 1, 9), ("b", bug, 2, 9), ("install", lambda c: c.within("n", 2, hi=1),
+                                                       3, 9), ("c", passes, 4, 9)]
+    recorded = []  # after each check: a run cut short keeps the rows it has
+    rows = acc.run_plan(plan, acc.CPU, tmp_path, {}, lambda rows: recorded.append(len(rows)))
+    assert recorded == [1, 2, 3, 4]
+    assert [r["status"] for r in rows] == ["pass", "fail", "fail", "skipped"]
+    assert rows[1]["note"] == "KeyError: 'x'"
+    assert "Traceback" in (tmp_path / "logs/b.log").read_text()
+    assert rows[3]["note"] == "the install check failed"
+    text = acc.table(rows)
+    assert "fine; ratio=0.5" in text and text.endswith("1 passed, 2 failed, 1 skipped")
+
+
+def fake_wheel(directory: Path, name: str, requires: list[str]) -> None:
+    info = f"{name}-1.0.dist-info"
+    files = {f"{name}/__init__.py": "",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+             + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(directory / f"{name}-1.0-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
+def test_install_checks_each_wheels_dependencies(tmp_path, monkeypatch):
+    """What .whl/ carries is installed where missing, then every requirement of it (and
+    pyproject.toml's of it) must be met: a wheel whose dependency is neither carried nor
+    installed fails the row, naming it (pydantic without typing-extensions, say)."""
+    assert [r.split(">")[0] for r in acc.carried_requirements(ROOT / "pyproject.toml")] == [
+        "megatron-core", "deepspeed", "webdataset", "pydantic"]
+    wheels, site = tmp_path / "whl", tmp_path / "site"
+    wheels.mkdir()
+    fake_wheel(wheels, "acc_needs_typing", ["typing-extensions>=4"])  # installed here
+    fake_wheel(wheels, "acc_needs_missing", ["acc-not-carried>=1"])  # neither carried nor here
+    monkeypatch.setattr(acc, "WHEELS", wheels)
+    (tmp_path / "logs").mkdir()
+    c = acc.Check("install", acc.CPU, tmp_path, {**os.environ, "DEL_SITE": str(site)},
+                  time.monotonic() + 120)
+    with pytest.raises(acc.Failed) as failed:
+        acc.check_install(c)
+    assert "acc-needs-missing needs acc-not-carried>=1;" not in str(failed.value)
+    assert str(failed.value).startswith(
+        f"Python {sys.version.split()[0]}: acc-needs-missing needs acc-not-carried>=1 (wheels")
+    assert c.figures["installed"] == ["acc-needs-missing==1.0", "acc-needs-typing==1.0"]
+    assert (site / "acc_needs_typing").is_dir() and (site / "acc_needs_missing").is_dir()
+    # installed now: nothing to do; pyproject.toml's versions judged too
+    monkeypatch.setattr(acc, "carried_requirements", lambda _: ["acc-needs-typing>=2"])
+    (wheels / "acc_needs_missing-1.0-py3-none-any.whl").unlink()
+    with pytest.raises(acc.Failed, match="pyproject.toml needs acc-needs-typing>=2, has 1.0"):
+        acc.check_install(c)
+    assert c.figures["installed"] == []

@@ -1,6 +1,7 @@
 """Hugging Face import/export against tiny random models saved by the installed transformers:
-every supported variant (MHA, CodeLlama's rope theta, Llama-3 rope scaling, a head_dim of
-its own, Mistral, Qwen-2 with QKV bias, Qwen-2 with tied embeddings) imported at TP 1 and
+every supported variant (MHA, CodeLlama's rope theta, Llama-3 rope scaling, Llama-3.2's
+tied embeddings with rope factor 32, a head_dim of its own, Mistral, Qwen-2 with QKV bias,
+Qwen-2 with tied embeddings) imported at TP 1 and
 TP 2 gives transformers' logits within 1e-5 (float32) and exports to a checkpoint that
 transformers loads as the same class with the same logits; fields that would change the
 math are refused with one line naming them."""

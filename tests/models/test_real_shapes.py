@@ -18,6 +18,7 @@ PUBLISHED = {
     "qwen2.5_7b": 7_615_616_512,
     "qwen2.5_1.5b": 1_543_714_304,
     "deepseek_math_7b": 6_910_365_696,  # from its config.json: 30 layers, 102400 tokens
+    "llama3.1_8b": 8_030_261_248,
 }
 
 

@@ -36,6 +36,23 @@ VARIANTS = {
             },
         },
     ),
+    # Llama-3.2 1B/3B: tied embeddings, llama3 RoPE with factor 32
+    "llama3.2-tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "max_position_embeddings": 16384,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": True,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
+    ),
     "llama-head-dim": ("LlamaConfig", "LlamaForCausalLM", {"head_dim": 32}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1e6}),

@@ -1,8 +1,10 @@
 """Layout-free checkpoints (CPU, gloo): a checkpoint saved at any of four parallel layouts
-loads at every other one with the fp32 master weights, both Adam moments and the Adam steps
-bit for bit; an older checkpoint without that state is refused at another layout in one
-line; the pieces (the streamed safetensors file, the layout comparison, the derived seeds)
-on their own."""
+(tensor parallel 1, 2 and 4, with a vocabulary padded differently at each) loads at every
+other one with the fp32 master weights, both Adam moments and the Adam steps bit for bit;
+an older checkpoint without that state is refused at another layout in one line; every
+shipped config's vocabulary is stored alike and loads at tensor parallel 1, 2, 4 and 8; the
+pieces (the streamed safetensors file, the layout comparison, the derived seeds) on their
+own."""
 
 from __future__ import annotations
 
@@ -19,15 +21,25 @@ from ..distributed.launcher import ROOT, run_torchrun
 
 # name -> (processes, tensor parallel, ZeRO stage); data parallel = processes / tensor parallel
 LAYOUTS = {
-    "tp2-dp1-zero1": (2, 2, 1),
+    "tp4-dp1-zero1": (4, 4, 1),
     "tp1-dp2-zero2": (2, 1, 2),
     "tp1-dp2-zero3": (2, 1, 3),
     "tp2-dp2-zero1": (4, 2, 1),
 }
 
 
+# A vocabulary padded to another size at each tensor-parallel size (to a multiple of 128 x
+# TP: 1152 rows at TP 1, 1280 at 2, 1536 at 4, where the last rank holds padding only), as
+# CodeLlama's 32016 is between TP 1 and 2; the tiny config's 1024 pads alike at every size,
+# which hid that a saved shape depended on the layout. Heads and query groups for TP 4.
+VOCAB = ["model.vocab_size=1040", "model.make_vocab_size_divisible_by=128"]
+
+
 def overrides(tokenizer, manifest) -> list[str]:
     return [
+        *VOCAB,
+        "model.num_attention_heads=8",
+        "model.num_query_groups=4",
         f"data.tokenizer={tokenizer}",
         f"data.sources=[{{manifest: {manifest}}}]",
         "eval.sources=[]",
@@ -106,7 +118,7 @@ def test_older_checkpoint_at_another_layout_is_refused_in_one_line(
     from del_megatron.cli.train import main
 
     old = tmp_path / "old"
-    shutil.copytree(saved_layouts["tp2-dp1-zero1"], old)
+    shutil.copytree(saved_layouts["tp2-dp2-zero1"], old)
     shutil.rmtree(old / "optim")  # as written before the layout-free state existed
     meta = json.loads((old / "meta.json").read_text())
     for field in ("zero_stage", "layout_free"):
@@ -120,14 +132,20 @@ def test_older_checkpoint_at_another_layout_is_refused_in_one_line(
     )
     _, err = capsys.readouterr()
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert "saved at tensor parallel 2 x data parallel 1 without the layout-free state" in err
-    assert "resume at the saved layout (parallel.tensor_parallel=2 on 2 processes)" in err
+    assert "saved at tensor parallel 2 x data parallel 2 without the layout-free state" in err
+    assert "resume at the saved layout (parallel.tensor_parallel=2 on 4 processes)" in err
 
 
 def test_streamed_safetensors_file_reads_back(tmp_path):
     from safetensors import safe_open
 
-    tensors = {"a/fp32": torch.randn(3, 5), "b/exp_avg": torch.randn(7), "c/x": torch.randn(2, 1)}
+    tensors = {
+        "a/fp32": torch.randn(3, 5),
+        "b/exp_avg": torch.randn(7),
+        "c/x": torch.randn(2, 1),
+        "d/fp32": torch.zeros(0, 5),  # a shard of padding only stores no rows
+        "e/fp32": torch.randn(1, 5),
+    }
     path = tmp_path / "streamed.safetensors"
     metadata = {"steps": json.dumps({"a": 3})}
     with open(path, "wb") as handle:
@@ -169,15 +187,59 @@ def test_slice_plan_reads_what_merge_then_split_gives(stride):
                 assert torch.equal(read, split(full, (1, stride), rank, world)), plan
 
 
+# The tensor-parallel sizes between which a shipped vocabulary pads to different sizes
+# (a multiple of make_vocab_size_divisible_by 128 x TP): where a saved shape that depended on
+# the layout failed.
+PADS_APART = {"codellama_7b": (1, 2), "llama2_7b": (2, 4), "qwen2.5_7b": (4, 8)}
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_vocabulary_is_stored_alike_and_loads_at_tp_1_2_4_8(config):
+    """Per shipped config's vocabulary (one column a row: the arithmetic is the rows'): the
+    rows each saved tensor-parallel rank stores make the tokenizer's [vocab] at every size,
+    and every rank at every size reads from them (and from format 1's files, which stored the
+    padding too) a shard of the model's shape holding its rows of the padded vocabulary,
+    zero past the tokenizer's."""
+    from del_megatron.config import load_run_config
+    from del_megatron.models.sharding import split
+
+    arch = load_run_config(config).model
+    vocab, sizes = arch.vocab_size, (1, 2, 4, 8)
+    if config.stem in PADS_APART:
+        a, b = PADS_APART[config.stem]
+        assert arch.padded_vocab_size(a) != arch.padded_vocab_size(b)
+    real = torch.arange(1, vocab + 1, dtype=torch.float32).unsqueeze(1)  # no real row is 0
+    for saved_tp in sizes:
+        saved_rows = arch.padded_vocab_size(saved_tp) // saved_tp
+        stored = [
+            real[r * saved_rows :][: layout_free.stored_rows(vocab, saved_rows, r)]
+            for r in range(saved_tp)
+        ]
+        assert torch.equal(torch.cat(stored), real)  # the same whatever the layout
+        format1 = [torch.cat([s, torch.full((saved_rows - len(s), 1), -1.0)]) for s in stored]
+        for tp in sizes:
+            padded = arch.padded_vocab_size(tp)
+            model = torch.cat([real, torch.zeros(padded - vocab, 1)])
+            for rank in range(tp):
+                shape = (padded // tp, 1)  # the model's shard at this size
+                plan = layout_free.vocab_plan(vocab, saved_rows, shape[0], rank)
+                for shards in (stored, format1):
+                    got = layout_free.with_padding([shards[o][a:b] for o, a, b in plan], shape)
+                    assert torch.equal(got, split(model, (0, 1), rank, tp)), (saved_tp, tp, rank)
+
+
 @pytest.mark.slow
 def test_del_train_resumes_at_another_tensor_parallel_size(tmp_path, synth_tokenizer, synth_shards):
     from .test_resume import command, losses, run
 
     out = tmp_path / "run"
-    run(command(out, synth_tokenizer, synth_shards, "train.steps=4", "parallel.zero_stage=2", tp=1))
+    # the vocabulary pads to 1152 rows at TP 1, 1280 at TP 2 (before: "embedding.word_embeddings
+    # .weight has shape (576, 128) at tensor parallel 2, the model (640, 128)", exit 1)
+    args = (out, synth_tokenizer, synth_shards, *VOCAB)
+    run(command(*args, "train.steps=4", "parallel.zero_stage=2", tp=1))
     proc = run(
         [
-            *command(out, synth_tokenizer, synth_shards, "train.steps=8", nproc=4, tp=2),
+            *command(*args, "train.steps=8", nproc=4, tp=2),
             "--resume",
             "auto",
         ]

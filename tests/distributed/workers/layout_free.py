@@ -6,6 +6,9 @@ step equal the saved ones bit for bit (the saved state in the TP 1 layout, merge
 files), that the model's weights equal the masters, and that the schedule is where it was.
 Then, with TRAIN=1: train 6 steps from there, save, and check that the files hold exactly
 what the optimizer holds (so "the saved state" above is the state that was trained).
+Vocabulary tensors are compared on the tokenizer's rows (the state keeps those); their
+padding rows must hold zero moments always (no loss reads them) and, after a load at another
+layout, zero masters and weights (made at the load).
 
 argv: OUT LOAD(comma-separated checkpoint dirs, or -) TRAIN(0|1) config_file override...
 Prints one "OK ..." line per check on rank 0.
@@ -59,9 +62,24 @@ def model_weights_tp1(run) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_state_equals_files(run, path: Path, when: str) -> int:
+def tokenizer_rows(run, name: str, value: torch.Tensor, when: str, *, zero_padding: bool):
+    """A TP 1 tensor's rows the layout-free state keeps: a vocabulary tensor's first
+    vocab_size rows (with `zero_padding`, its padding rows, at the end in the TP 1 layout,
+    must be zero), any other tensor whole."""
+    if not layout_free.has_vocab_rows(name):
+        return value
+    vocab = run.cfg.model.vocab_size
+    padded = run.cfg.model.padded_vocab_size(run.cfg.parallel.tensor_parallel)
+    assert value.shape[0] == padded, f"{when}: {name} has {value.shape[0]} rows, not {padded}"
+    assert not (zero_padding and value[vocab:].any()), f"{when}: {name} padding rows not zero"
+    return value[:vocab]
+
+
+def assert_state_equals_files(run, path: Path, when: str, *, made_padding: bool) -> int:
     """The optimizer's state and the model's buffers, gathered to TP 1, equal the
-    layout-free files bit for bit."""
+    layout-free files bit for bit on the rows the state keeps. Padding rows of the vocabulary
+    tensors: zero moments always, zero masters, weights and buffers where this run made them
+    (`made_padding`: loaded at another layout)."""
     from megatron.core import parallel_state
 
     index = layout_free.read_index(path)
@@ -72,15 +90,18 @@ def assert_state_equals_files(run, path: Path, when: str) -> int:
         entry = saved[canonical(name)]
         assert steps[id(param)] == entry["step"], f"{when}: {name} step {steps[id(param)]}"
         for key in layout_free.KEYS:
-            mine = gathered_tp1(run, param, key)
+            full = gathered_tp1(run, param, key)
+            if key == "fp32":
+                assert torch.equal(weights[name], full), (
+                    f"{when}: the model's {name} differs from its fp32 master"
+                )
+            zero = made_padding or key != "fp32"
+            mine = tokenizer_rows(run, name, full, f"{when}: {key}", zero_padding=zero)
             theirs = layout_free.saved_full(path, index, entry, key)
             assert mine.shape == theirs.shape, f"{when}: {name}/{key} {mine.shape}"
             assert torch.equal(mine, theirs), (
                 f"{when}: {name}/{key} differs by {(mine - theirs).abs().max().item()}"
             )
-        assert torch.equal(weights[name], layout_free.saved_full(path, index, entry, "fp32")), (
-            f"{when}: the model's {name} differs from its fp32 master"
-        )
     assert run.scheduler.last_epoch == index["scheduler_last_epoch"], when
     saved_buffers = {e["canonical"]: e for e in index["buffers"]}
     for name, buffer in layout_free.saved_buffers(run.engine.module):
@@ -90,6 +111,7 @@ def assert_state_equals_files(run, path: Path, when: str) -> int:
             group = parallel_state.get_tensor_model_parallel_group()
             value = merge(collectives.all_gather(value, group=group), tuple(entry["partition"]))
         expected = layout_free.saved_full(path, index, entry, layout_free.BUFFER)
+        value = tokenizer_rows(run, name, value, when, zero_padding=made_padding)
         assert torch.equal(value, expected), f"{when}: buffer {name} differs"
     return len(saved) + len(saved_buffers)
 
@@ -134,13 +156,16 @@ def main() -> None:
     run = setup(cfg)
     timings = [f"setup {time.perf_counter() - started:.1f}s"]
     layout = checkpoint.describe(checkpoint.run_layout(cfg, run.world))
-    step = 0
+    step, made_padding = 0, False
     for path in [Path(p) for p in load.split(",") if p != "-"]:
         started = time.perf_counter()
         step = checkpoint.load(run, path, None)
         timings.append(f"load {time.perf_counter() - started:.2f}s")
         assert_derived_rng(run, path, step)
-        count = assert_state_equals_files(run, path, f"{path} loaded at {layout}")
+        saved_layout = checkpoint.saved_layout(json.loads((path / "meta.json").read_text()))
+        made_padding = checkpoint.changed(saved_layout, checkpoint.run_layout(cfg, run.world))
+        when = f"{path} loaded at {layout}"
+        count = assert_state_equals_files(run, path, when, made_padding=made_padding)
         if run.is_main:
             print(f"OK {path.parent.parent.name} step {step}: {count} tensors equal at {layout}")
     if train == "1":
@@ -149,7 +174,9 @@ def main() -> None:
         started = time.perf_counter()
         saved = checkpoint.save(run, step + 6, None, keep=0)
         timings.append(f"save {time.perf_counter() - started:.2f}s")
-        assert_state_equals_files(run, saved, f"{saved} as saved at {layout}")
+        # padding made at a load stays zero through training: zero gradient, zero decay
+        when = f"{saved} as saved at {layout}"
+        assert_state_equals_files(run, saved, when, made_padding=made_padding)
         if run.is_main:
             print(f"OK saved step {step + 6} at {layout}")
     if run.is_main:
