@@ -26,7 +26,13 @@ from del_megatron.data.format import (
     encode_sample,
     end_of_archive,
 )
-from del_megatron.outputs import abandon_output, begin_output, commit_output
+from del_megatron.outputs import (
+    abandon_output,
+    begin_output,
+    commit_output,
+    is_no_space,
+    no_space,
+)
 from del_megatron.tokenizer import Tokenizer
 
 from .readers import Fields, InputError, InputReport, OnError, Record, expand_inputs, read_records
@@ -176,12 +182,14 @@ def build_shards(
     progress: bool = True,
     on_error: OnError = "fail",
     force: bool = False,
+    wait_for_lock: bool = False,
 ) -> Manifest:
     """Tokenize `inputs` into shards in `out_dir`; returns the manifest written there.
 
     The build goes into a staging directory beside `out_dir` and replaces an earlier build
     there only when complete: a failed build leaves the old one as it was. An `out_dir`
-    holding files that no build wrote is refused unless `force` (which keeps them)."""
+    holding files that no build wrote is refused unless `force` (which keeps them), one
+    another process is building into unless `wait_for_lock` (which waits for it)."""
     fields = fields or Fields()
     files = expand_inputs(inputs)
     tokenizer = Tokenizer(tokenizer_path)  # fails here, not in a worker, on a bad tokenizer
@@ -192,7 +200,7 @@ def build_shards(
         source=tokenizer_path.name,
     )
     is_ours = output_is_ours(out_dir)
-    staging = begin_output(out_dir, is_ours, force=force)
+    staging = begin_output(out_dir, is_ours, force=force, wait=wait_for_lock)
     try:
         manifest = _build(
             files,
@@ -208,6 +216,8 @@ def build_shards(
         commit_output(staging, out_dir, is_ours)
     except OSError as err:
         abandon_output(staging)
+        if is_no_space(err):
+            raise no_space(out_dir) from None
         raise InputError(f"{out_dir}: cannot write the build ({err.strerror or err})") from None
     except BaseException:
         abandon_output(staging)

@@ -67,6 +67,7 @@ def cmd_build(args: argparse.Namespace) -> None:
         progress=progress_bars(args.quiet),
         on_error=args.on_error,
         force=args.force,
+        wait_for_lock=args.wait_for_lock,
     )
     print(
         f"{len(manifest.shards)} shards, {manifest.documents} documents, "
@@ -138,6 +139,11 @@ def parser() -> argparse.ArgumentParser:
         "--force",
         action="store_true",
         help="build into a directory that holds files data-tools did not write (kept)",
+    )
+    b.add_argument(
+        "--wait-for-lock",
+        action="store_true",
+        help="another build writing the same output: wait for it (default: refuse)",
     )
     b.add_argument(
         "--quiet", action="store_true", help="no progress bar (nor when stderr is no terminal)"

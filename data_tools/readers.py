@@ -19,6 +19,8 @@ import difflib
 import gzip
 import hashlib
 import json
+import os
+import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -85,16 +87,16 @@ def suffix_of(path: Path) -> str:
 def expand_inputs(paths: list[Path]) -> list[Path]:
     """Files as given, directories expanded to every file below them (hidden ones aside), in
     sorted order. A file of another format in a directory is refused as it would be by name:
-    nothing in the input is passed over silently."""
+    nothing in the input is passed over silently. Symbolic links are followed, to files and
+    to directories; a directory or file reached a second time (a link loop, or two links to
+    one place) is read once and the second path named on stderr; a link to nothing, a
+    directory that cannot be listed and anything that is not a file or directory (a fifo)
+    are refused."""
     files: list[Path] = []
+    seen: dict[Path, Path] = {}  # real path -> the path it was first reached by
     for path in paths:
         if path.is_dir():
-            found = sorted(
-                p
-                for p in path.rglob("*")
-                if p.is_file()
-                and not any(part.startswith(".") for part in p.relative_to(path).parts)
-            )
+            found = sorted(_files_below(path, seen))
             if not found:
                 raise InputError(f"{path}: no files in this directory")
             for p in found:
@@ -102,10 +104,57 @@ def expand_inputs(paths: list[Path]) -> list[Path]:
             files += found
         elif path.is_file():
             suffix_of(path)
-            files.append(path)
+            if _first_visit(path, seen):
+                files.append(path)
+        elif path.is_symlink():
+            raise InputError(
+                f"{path}: a symbolic link to {os.readlink(path)}, which does not exist"
+            )
+        elif path.exists():
+            raise InputError(f"{path}: not a file or directory")
         else:
             raise InputError(f"{path}: no such file or directory")
     return files
+
+
+def _first_visit(path: Path, seen: dict[Path, Path]) -> bool:
+    """Whether `path` leads somewhere not reached before; says so on stderr when not."""
+    real = path.resolve()
+    if real in seen:
+        print(
+            f"data-tools: {path} is {seen[real]} again (a symbolic link): read once",
+            file=sys.stderr,
+        )
+        return False
+    seen[real] = path
+    return True
+
+
+def _files_below(directory: Path, seen: dict[Path, Path]) -> list[Path]:
+    """Every file below `directory`, links followed once (see expand_inputs)."""
+    if not _first_visit(directory, seen):
+        return []
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError as err:
+        raise InputError(f"{directory}: cannot list ({err.strerror or err})") from None
+    found = []
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        path = Path(entry.path)
+        if entry.is_dir():
+            found += _files_below(path, seen)
+        elif entry.is_file():
+            if _first_visit(path, seen):
+                found.append(path)
+        elif entry.is_symlink():
+            raise InputError(
+                f"{path}: a symbolic link to {os.readlink(path)}, which does not exist"
+            )
+        else:
+            raise InputError(f"{path}: not a file or directory")
+    return found
 
 
 class _Hashed:

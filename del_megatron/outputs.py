@@ -10,15 +10,25 @@ output directory (data-tools build, del-convert, del-eval --out) follows this on
     staging = begin_output(out, is_ours, force=args.force, flag="--force")
     ... write everything into `staging` ...
     commit_output(staging, out, is_ours)      # or abandon_output(staging) on failure
+
+One writer at a time: `begin_output` takes the output's lock (`output_lock`, a file beside
+the output naming the holder's host and pid) and `commit_output` / `abandon_output` give it
+back, so a second command into the same output is refused in one line (or waits, `wait=True`)
+instead of sharing the first one's staging directory. Staging is named after its writer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import os
 import shutil
+import socket
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import UserError
@@ -28,7 +38,13 @@ PREVIOUS = "previous-"  # directories of earlier outputs, set aside inside the o
 
 
 def staging_of(final: Path) -> Path:
-    return final.with_name(f".{final.name}.partial")
+    """This writer's own staging directory (host and pid: two writers never share one)."""
+    return final.with_name(f".{final.name}.partial-{socket.gethostname()}-{os.getpid()}")
+
+
+def _leftover_staging(final: Path) -> list[Path]:
+    """Staging directories of earlier writers of `final` (killed ones: the lock is ours)."""
+    return sorted(final.parent.glob(f".{final.name}.partial*"))
 
 
 def _foreign(final: Path, is_ours: Ours) -> list[Path]:
@@ -60,11 +76,23 @@ def set_aside(final: Path, is_ours: Ours) -> Path | None:
     return aside
 
 
-def begin_output(final: Path, is_ours: Ours, *, force: bool, flag: str = "--force") -> Path:
-    """A fresh, empty staging directory beside `final`; refuses a `final` holding files that
-    are not ours unless `force`."""
+def begin_output(
+    final: Path, is_ours: Ours, *, force: bool, flag: str = "--force", wait: bool = False
+) -> Path:
+    """A fresh, empty staging directory beside `final`, with `final`'s lock held (until
+    `commit_output` or `abandon_output`); refuses a `final` holding files that are not ours
+    unless `force`, and a `final` another process is writing unless `wait`."""
     if final.exists() and not final.is_dir():
         raise UserError(f"{final}: exists and is not a directory")
+    acquire_output_lock(final, wait=wait)
+    try:
+        return _fresh_staging(final, is_ours, force=force, flag=flag)
+    except BaseException:
+        release_output_lock(final)
+        raise
+
+
+def _fresh_staging(final: Path, is_ours: Ours, *, force: bool, flag: str) -> Path:
     foreign = _foreign(final, is_ours)
     if foreign and not force:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
@@ -74,8 +102,8 @@ def begin_output(final: Path, is_ours: Ours, *, force: bool, flag: str = "--forc
         )
     staging = staging_of(final)
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # ours: a killed run's leftovers
+        for leftover in _leftover_staging(final):  # killed writers': we hold the lock
+            shutil.rmtree(leftover, ignore_errors=True)
         staging.mkdir()
     except OSError as err:
         raise UserError(f"{final}: cannot write there ({err.strerror or err})") from None
@@ -90,6 +118,7 @@ def commit_output(staging: Path, final: Path, is_ours: Ours) -> Path | None:
     output."""
     if not final.exists():
         os.replace(staging, final)
+        release_output_lock(final)
         return None
     clash = sorted(p.name for p in _foreign(final, is_ours) if (staging / p.name).exists())
     if clash:
@@ -99,6 +128,7 @@ def commit_output(staging: Path, final: Path, is_ours: Ours) -> Path | None:
     for path in new:
         os.replace(path, final / path.name)
     staging.rmdir()
+    release_output_lock(final)
     if aside is not None:
         print(f"{final}: the previous output moved to {aside}", flush=True)
     return aside
@@ -106,6 +136,8 @@ def commit_output(staging: Path, final: Path, is_ours: Ours) -> Path | None:
 
 def abandon_output(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
+    final = staging.with_name(staging.name[1:].rsplit(".partial-", 1)[0])
+    release_output_lock(final)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -115,3 +147,205 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+# ---- one writer per output --------------------------------------------------------------
+#
+# Decision: a lock *file* made with an atomic hard link (write the holder's record to a
+# file of our own, then link it to the lock's name: link fails if the name exists), not
+# fcntl/flock. flock is not shared between the nodes of many network filesystems (NFS
+# without lockd, Lustre mounted without flock), so two nodes of a job array could both
+# "hold" it; link(2) is atomic on NFS and Lustre alike, and the file names its holder for
+# the message. The cost of a file: a holder killed by SIGKILL leaves it. On the holder's own
+# host a dead pid is detected and the lock taken over; from another host it cannot be, and
+# the message says which file to remove once that process is known to be gone.
+
+
+class OutputLocked(UserError):
+    """Another process holds the output's lock; the message names its host and pid."""
+
+
+def lock_of(final: Path) -> Path:
+    final = Path(os.path.abspath(final))  # "." and "run/.." have a name this way
+    return final.with_name(f".{final.name}.lock")
+
+
+def _holder() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "since": int(time.time())}
+
+
+def _read_holder(lock: Path) -> dict | None:
+    """The lock's holder record; None if the lock is gone. A record that cannot be read is
+    a foreign file, reported as an unknown holder (never taken over)."""
+    try:
+        return json.loads(lock.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"host": "?", "pid": "?", "since": 0}
+
+
+def _alive_here(holder: dict) -> bool:
+    """Whether the holder may be alive: False only for a pid of this host that is gone."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return True
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def _try_lock(lock: Path) -> dict | None:
+    """Take the lock (None) or return the live holder's record."""
+    mine = lock.with_name(f"{lock.name}.{socket.gethostname()}-{os.getpid()}")
+    mine.write_text(json.dumps(_holder()))
+    try:
+        while True:
+            try:
+                os.link(mine, lock)
+                return None
+            except FileExistsError:
+                pass
+            holder = _read_holder(lock)
+            if holder is None:
+                continue  # released between the two calls: try again
+            if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+                return None  # ours already (del-eval holds --out, then writes through here)
+            if _alive_here(holder):
+                return holder
+            # a dead holder on this host: move its lock aside, then make sure what was
+            # moved is the dead one's (another taker may have replaced it meanwhile)
+            aside = lock.with_name(f"{lock.name}.stale-{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(lock, aside)
+                if _read_holder(aside) != holder:
+                    with contextlib.suppress(FileExistsError):
+                        os.link(aside, lock)  # a live one's: back, unless taken again
+                aside.unlink()
+    finally:
+        mine.unlink()
+
+
+def acquire_output_lock(final: Path, *, wait: bool = False, poll_s: float = 0.5) -> None:
+    """Hold `final`'s lock, or raise OutputLocked naming the holder (wait=True: wait for it,
+    saying so once)."""
+    lock = lock_of(final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        holder = _try_lock(lock)
+    except OSError as err:
+        raise write_error(final, err) from None
+    said = False
+    while holder is not None:
+        where = f"host {holder.get('host')}, pid {holder.get('pid')}"
+        if not wait:
+            raise OutputLocked(
+                f"{final}: being written by another process ({where}); wait for it "
+                f"(--wait-for-lock) or choose another output; if that process is gone, "
+                f"remove {lock}"
+            )
+        if not said:
+            print(f"{final}: waiting for the process writing it ({where})", file=sys.stderr)
+            said = True
+        time.sleep(poll_s)
+        holder = _try_lock(lock)
+
+
+def release_output_lock(final: Path) -> None:
+    """Give `final`'s lock back if this process holds it (never another's)."""
+    lock = lock_of(final)
+    holder = _read_holder(lock)
+    if holder and holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+
+
+@contextlib.contextmanager
+def output_lock(final: Path, *, wait: bool = False) -> Iterator[None]:
+    """`final`'s lock held for the block: for outputs not written through begin_output
+    (del-eval --out, del-train's output_dir)."""
+    acquire_output_lock(final, wait=wait)
+    try:
+        yield
+    finally:
+        release_output_lock(final)
+
+
+def check_output_dir(directory: Path, flag: str) -> None:
+    """A file can be written in `directory` (or, when it does not exist yet, in the nearest
+    directory above it, where it will be made): checked before long work, so that the work
+    is not lost at its last step, and without creating anything."""
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"{flag} {directory}: exists and is not a directory")
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{flag} {directory}: {existing} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise write_error(directory, err, flag) from None
+
+
+def write_error(directory: Path, err: OSError, flag: str = "") -> UserError:
+    """The one line for an output that cannot be written: a full disk says what it needs."""
+    if is_no_space(err):
+        return no_space(directory)
+    where = f"{flag} {directory}" if flag else str(directory)
+    return UserError(f"{where}: cannot write there ({err.strerror or err})")
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the filesystem `path` is (or would be created) on."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def no_space(directory: Path, needed: int | None = None) -> UserError:
+    """The one line for a full disk: the directory, what is free, what is needed."""
+    need = f", {needed} needed" if needed is not None else ""
+    return UserError(
+        f"{directory}: no space left on the device ({free_bytes(directory)} bytes free{need}); "
+        "free some space or choose another location, then run again"
+    )
+
+
+@contextlib.contextmanager
+def agreed_output_lock(final: Path, *, leader: bool) -> Iterator[None]:
+    """`final`'s lock for a job of several processes: the `leader` alone takes it, and every
+    process raises the leader's refusal (a decision agreed over the processes, so a second
+    job's ranks all stop, none waits in a collective for one that left)."""
+    from . import collectives
+
+    refusal = None
+    if leader:
+        try:
+            acquire_output_lock(final)
+        except UserError as err:
+            refusal = str(err)
+    refusals = [r for r in collectives.all_gather_object(refusal) if r]
+    if refusals:
+        raise OutputLocked(refusals[0])
+    try:
+        yield
+    finally:
+        if leader:
+            release_output_lock(final)
+
+
+def is_no_space(err: BaseException) -> bool:
+    """A full disk or quota, however deep a library wrapped it (torch.save raises
+    RuntimeError around the ENOSPC of its writer)."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(err) or "Disk quota exceeded" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False

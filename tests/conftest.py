@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,28 @@ def group():
     yield dist.group.WORLD
     if started:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size, read_only=False): a small filesystem of its own (tmpfs, root only; the
+    test is skipped elsewhere) to fill or to find read-only, unmounted after the test."""
+    mounted = []
+
+    def mount(size: str, read_only: bool = False) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        point = tmp_path / f"tmpfs{len(mounted)}"
+        point.mkdir()
+        options = f"size={size}" + (",ro" if read_only else "")
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=False)

@@ -21,6 +21,7 @@ from ..errors import UserError
 from ..models.conversion import export_hf, hf_to_megatron, open_hf
 from ..models.hf_config import ConversionError
 from ..models.weight_files import DTYPES
+from ..outputs import is_no_space, no_space
 from .arguments import positive_int
 
 
@@ -31,13 +32,22 @@ def hf_to_megatron_cmd(args: argparse.Namespace) -> str:
         arch.check_tensor_parallel(args.tp)
     except ValueError as err:
         raise ConversionError(f"--tp {args.tp}: {err}") from None
-    hf_to_megatron(checkpoint, arch, args.out, tensor_parallel=args.tp, force=args.force)
+    hf_to_megatron(
+        checkpoint,
+        arch,
+        args.out,
+        tensor_parallel=args.tp,
+        force=args.force,
+        wait=args.wait_for_lock,
+    )
     return f"{args.hf} -> {args.out}/model ({arch.family}, {args.tp} tensor-parallel shards)"
 
 
 def megatron_to_hf_cmd(args: argparse.Namespace) -> str:
     print(f"del-convert: exporting {args.checkpoint} to {args.out}", flush=True)
-    what = export_hf(args.checkpoint, args.out, dtype=args.dtype, force=args.force)
+    what = export_hf(
+        args.checkpoint, args.out, dtype=args.dtype, force=args.force, wait=args.wait_for_lock
+    )
     return (
         f"{args.checkpoint} -> {args.out} ({what})\n"
         f"next: transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r}) and "
@@ -78,15 +88,26 @@ def main(argv: list[str] | None = None) -> int:
             action="store_true",
             help="write into an output directory that holds other files (they are kept)",
         )
+        sub_parser.add_argument(
+            "--wait-for-lock",
+            action="store_true",
+            help="another process writing the same output: wait for it (default: refuse)",
+        )
     args = parser.parse_args(argv)
     try:
         print(args.func(args))
-    except OSError as err:  # reading or writing a path the user gave
-        print(f"del-convert {args.command}: error: {err.filename}: {err.strerror}", file=sys.stderr)
-        return 2
     except UserError as err:
         print(f"del-convert {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        if is_no_space(err):  # safetensors and torch wrap it in their own errors
+            print(f"del-convert {args.command}: error: {no_space(args.out)}", file=sys.stderr)
+            return 2
+        if isinstance(err, OSError):  # reading or writing a path the user gave
+            message = f"{err.filename}: {err.strerror}"
+            print(f"del-convert {args.command}: error: {message}", file=sys.stderr)
+            return 2
+        raise
     return 0
 
 

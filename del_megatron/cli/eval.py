@@ -14,6 +14,7 @@ Mistakes print one line and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -115,6 +116,10 @@ def evaluate_main(argv: list[str]) -> int:
 
     from ..evaluation.report import markdown_table, write_results
     from ..evaluation.runner import evaluate_model
+    from ..outputs import check_output_dir, output_lock, write_error
+
+    if args.out:  # before the work: a long evaluation is not lost at its last step
+        check_output_dir(args.out, "--out")
 
     heldout = generation = lm_eval = None
     if args.heldout:
@@ -140,20 +145,24 @@ def evaluate_main(argv: list[str]) -> int:
             include=args.lm_eval_include,
             limit=args.lm_eval_limit,
         )
-    results = evaluate_model(
-        args.model,
-        _device(args.device),
-        heldout=heldout,
-        generation=generation,
-        lm_eval=lm_eval,
-        seq_len=args.seq_len,
-        progress=progress_bars(args.quiet),
-    )
-    if args.out:
-        write_results(args.out, results)
-    print(markdown_table(results), end="")
-    if "lm_eval" in results:
-        print(json.dumps(results["lm_eval"], indent=1))
+    with output_lock(args.out) if args.out else contextlib.nullcontext():
+        results = evaluate_model(
+            args.model,
+            _device(args.device),
+            heldout=heldout,
+            generation=generation,
+            lm_eval=lm_eval,
+            seq_len=args.seq_len,
+            progress=progress_bars(args.quiet),
+        )
+        print(markdown_table(results), end="", flush=True)  # shown before it is written
+        if "lm_eval" in results:
+            print(json.dumps(results["lm_eval"], indent=1), flush=True)
+        if args.out:
+            try:
+                write_results(args.out, results)
+            except OSError as err:
+                raise write_error(args.out, err, "--out") from None
     return 0
 
 
@@ -184,7 +193,9 @@ def compare_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from ..evaluation.compare import compare_runs
+    from ..outputs import check_output_dir
 
+    check_output_dir(args.out, "--out")
     comparison = compare_runs(
         args.results, args.out, group_by=args.group_by, agree_within=args.agree_within
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -158,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
+    # a log file on a full disk (wandb's, a library's) must not print a traceback for every
+    # record it cannot write: the run's own one line says what is wrong
+    logging.raiseExceptions = False
     try:
         cfg = load_run_config(args.config, args.overrides)
         if args.deepspeed_json is not None:

@@ -112,6 +112,7 @@ def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
 
     select_accelerator(device)
     weights = MegatronWeights(path)
+    weights.verify()
     tokenizer_path = weights.tokenizer()
     if tokenizer_path is None:
         raise UserError(f"{path}/{WEIGHTS}: no tokenizer file beside the weights")

@@ -41,6 +41,7 @@ def hf_to_megatron(
     *,
     tensor_parallel: int,
     force: bool = False,
+    wait: bool = False,
 ) -> None:
     """<out>/model/: `tensor_parallel` shard files of `checkpoint` (opened by `open_hf`, its
     heads and groups divisible by `tensor_parallel`), arch.json and the tokenizer."""
@@ -51,20 +52,26 @@ def hf_to_megatron(
         {n: rank_shard(checkpoint.read, n, arch, padded, rank, tensor_parallel) for n in names}
         for rank in range(tensor_parallel)
     )
-    write_weights(out, shards, arch, tokenizer_in(checkpoint.directory), force=force)
+    write_weights(out, shards, arch, tokenizer_in(checkpoint.directory), force=force, wait=wait)
 
 
 def export_hf(
-    checkpoint: str | Path, out: str | Path, *, dtype: str | None = None, force: bool = False
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    dtype: str | None = None,
+    force: bool = False,
+    wait: bool = False,
 ) -> str:
     """A del-megatron weights directory (a checkpoint's model/, or hf_to_megatron's) as a
     Hugging Face checkpoint; returns "family, dtype". dtype: the stored (training) dtype
     unless given. The output appears complete or not at all (HFWriter)."""
     weights = MegatronWeights(checkpoint)
+    weights.verify()
     arch = weights.arch
     dtype_name = dtype or weights.dtype
     config = hf_config(arch, dtype_name)  # refuses what the family cannot express, first
-    writer = HFWriter(out, force=force)
+    writer = HFWriter(out, force=force, wait=wait)
     try:
         for name in megatron_names(arch):
             for hf_name, tensor in hf_tensors(name, weights.full(name), arch):

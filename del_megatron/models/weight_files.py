@@ -136,6 +136,16 @@ class MegatronWeights:
                 * self.tensor_parallel
             )
 
+    def verify(self) -> None:
+        """The weight files against the checksums of the checkpoint they are part of
+        (files.json, del_megatron/checksums.py), for a reader of every file (del-convert,
+        del-eval); a weights directory without the index is taken as it is."""
+        from ..checksums import verify_listed
+
+        problem = verify_listed(self.root.parent, [f"{WEIGHTS}/{p.name}" for p in self.paths])
+        if problem:
+            raise ConversionError(problem)
+
     def shard(self, name: str, rank: int) -> torch.Tensor:
         """Rank `rank`'s stored shard of the canonical tensor `name`."""
         if name not in self.names:
@@ -217,12 +227,13 @@ def write_weights(
     tokenizer: str | Path | None,
     *,
     force: bool = False,
+    wait: bool = False,
 ) -> None:
     """<directory>/model/ from each rank's {name: tensor} (one rank in memory at a time when
     `shards` is a generator), replacing an earlier one whole, or nothing on failure."""
     final = Path(directory) / WEIGHTS
     is_ours = _matches(WEIGHTS_FILES)
-    staging = begin_output(final, is_ours, force=force)
+    staging = begin_output(final, is_ours, force=force, wait=wait)
     try:
         for rank, shard in enumerate(shards):
             write_rank_weights(staging, rank, shard)
@@ -240,11 +251,16 @@ class HFWriter:
     all, and files in the directory that an export does not write are kept."""
 
     def __init__(
-        self, directory: str | Path, *, shard_bytes: int = 4 << 30, force: bool = False
+        self,
+        directory: str | Path,
+        *,
+        shard_bytes: int = 4 << 30,
+        force: bool = False,
+        wait: bool = False,
     ) -> None:
         self.final = Path(directory)
         self.is_ours = _matches(HF_FILES)
-        self.tmp = begin_output(self.final, self.is_ours, force=force)
+        self.tmp = begin_output(self.final, self.is_ours, force=force, wait=wait)
         self.shard_bytes = shard_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0

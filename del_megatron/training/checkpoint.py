@@ -22,11 +22,12 @@ from .. import collectives
 from ..config import ConfigError, dump_run_config
 from ..data import StreamingLoader
 from ..errors import UserError, one_line
-from . import layout_free
+from ..outputs import free_bytes, is_no_space, no_space
+from . import checkpoint_files, layout_free
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
-DEEPSPEED_TAG = "state"
+DEEPSPEED_TAG = checkpoint_files.DEEPSPEED_TAG  # the directory of DeepSpeed's own files
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -52,7 +53,47 @@ def _versions() -> dict[str, str]:
 
 
 def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> Path:
-    """Write a complete checkpoint of step `step` and keep the newest `keep`."""
+    """Write a complete checkpoint of step `step` and keep the newest `keep`. A disk without
+    room for it is one line on every rank (CheckpointError: exit status 2), checked before
+    the first byte is written; a disk that fills during the save anyway is one line too."""
+    root = root_of(run.cfg.output_dir)
+    needed = check_space(run, root)
+    try:
+        return _write(run, step, loader, keep=keep)
+    except Exception as err:  # torch.save and DeepSpeed wrap the OSError in RuntimeError
+        if is_no_space(err):
+            raise CheckpointError(str(no_space(root, needed))) from None
+        raise
+
+
+def bytes_needed(run: Any, root: Path) -> int:
+    """The bytes one more checkpoint takes: the newest complete one's size, else a lower
+    bound from the parameter count (weights in the training dtype, fp32 master and two
+    moments in DeepSpeed's state and again in the layout-free state)."""
+    found = complete_checkpoints(root)
+    if found:
+        return sum(p.stat().st_size for p in found[-1].rglob("*") if p.is_file())
+    params = [p for p in run.engine.module.parameters() if p.requires_grad]
+    count = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    count *= run.cfg.parallel.tensor_parallel
+    per = params[0].element_size() + 12 + (12 if run.cfg.train.layout_free_checkpoints else 0)
+    return count * per
+
+
+def check_space(run: Any, root: Path) -> int:
+    """Refuse a save the disk has no room for, on every rank (rank 0 looks, all agree);
+    returns the bytes needed."""
+    needed = bytes_needed(run, root)
+    refusal = None
+    if run.is_main and free_bytes(root) < needed:
+        refusal = str(no_space(root, needed))
+    refusal = collectives.all_gather_object(refusal)[0]
+    if refusal:
+        raise CheckpointError(refusal)
+    return needed
+
+
+def _write(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> Path:
     root = root_of(run.cfg.output_dir)
     name = f"{PREFIX}{step:07d}"
     tmp, final = root / (TMP_PREFIX + name), root / name
@@ -64,8 +105,7 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
         str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step}, save_latest=False
     )
     _save_weights(run, tmp)
-    if run.cfg.train.layout_free_checkpoints:
-        _save_layout_free(run, tmp)
+    hashed = _save_layout_free(run, tmp) if run.cfg.train.layout_free_checkpoints else {}
     rng = tmp / "rng"
     rng.mkdir(exist_ok=True)
     torch.save(rng_state(run.device), rng / f"rank{run.rank:05d}.pt")
@@ -88,6 +128,7 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
         if run.schedule is not None:
             run.schedule.save(tmp)  # a resume follows the same function (training/schedule.py)
     collectives.barrier()
+    checkpoint_files.write_index(tmp, hashed, run.rank, run.world)  # gathers: a barrier
     if run.is_main:
         if final.exists():
             shutil.rmtree(final)
@@ -135,12 +176,13 @@ def host_weights(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, 
     return weights
 
 
-def _save_layout_free(run: Any, directory: Path) -> None:
-    """optim/: this rank's part of the layout-free state (training/layout_free.py)."""
+def _save_layout_free(run: Any, directory: Path) -> dict[str, Any]:
+    """optim/: this rank's part of the layout-free state (training/layout_free.py); returns
+    its file's size and checksum, taken as it was written."""
     from megatron.core import parallel_state
 
     engine = run.engine
-    layout_free.save(
+    return layout_free.save(
         engine.module,
         engine.optimizer,
         directory,
@@ -307,13 +349,37 @@ def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
             rng = path / "rng" / f"rank{rank:05d}.pt"
             if not rng.is_file():
                 raise CheckpointError(f"{rng}: missing")
+    check_load_files(path, meta, changed(saved_layout(meta), wanted))
     meta["step"] = step
     return meta
+
+
+def check_load_files(path: Path, meta: dict[str, Any], other_layout: bool) -> None:
+    """Every file the load will read, by size and header (training/checkpoint_files.py):
+    DeepSpeed's at the saved layout, the layout-free state's at another."""
+    try:
+        if other_layout:
+            needed = checkpoint_files.layout_free_files(layout_free.read_index(path))
+        else:
+            needed = checkpoint_files.deepspeed_files(meta)
+        checkpoint_files.check_files(path, needed)
+    except (checkpoint_files.ChecksumError, layout_free.LayoutFreeError) as err:
+        raise CheckpointError(str(err)) from None
+
+
+def verify_contents(run: Any, path: Path) -> None:
+    """The checkpoint's files against their checksums, each rank hashing its share; the
+    outcome agreed, so a corrupted file is refused on every rank."""
+    found = checkpoint_files.verify_share(path, run.rank, run.world)
+    problems = [p for p in collectives.all_gather_object(found) if p]
+    if problems:
+        raise CheckpointError(problems[0])
 
 
 def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
     """Restore model, optimizer, scheduler, RNG and this rank's loader; returns the step."""
     meta = check(path, run.cfg, run.tokenizer.fingerprint, run.world)
+    verify_contents(run, path)
     saved, wanted = saved_layout(meta), run_layout(run.cfg, run.world)
     if changed(saved, wanted):
         _load_layout_free(run, path)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..checksums import HashingWriter
 from ..errors import UserError, one_line
 from ..models.hf_names import padded_names
 from ..models.hf_tensors import canonical
@@ -252,12 +253,13 @@ def save(
     dp_size: int,
     vocab_size: int,
     extra: dict[str, Any],
-) -> None:
+) -> dict[str, dict[str, Any]]:
     """Write this rank's part of `directory/optim/`. Every data-parallel rank must call it
     (each gather is a collective of the data-parallel group); data-parallel rank 0 of
     tensor-parallel rank 0 writes the index, with `extra` (schedule, counters) in it.
     `vocab_size`: the model's (unpadded) vocabulary rows, the ones kept of its vocabulary
-    tensors."""
+    tensors. Returns {the file's path under `directory`: its size and SHA-256, hashed as
+    written}."""
     out = directory / OPTIM
     out.mkdir(exist_ok=True)
     ensure_adam_state(zero)
@@ -277,7 +279,9 @@ def save(
         "tensor_parallel_rank": str(tp_rank),
         "steps": json.dumps({params[i][0]: steps[id(params[i][1])] for i in mine}),
     }
-    with open(out / file_name(tp_rank, dp_rank), "wb") as handle:
+    name = file_name(tp_rank, dp_rank)
+    with open(out / name, "wb") as raw:
+        handle = HashingWriter(raw)  # the checkpoint's files.json: no second read
         handle.write(_header(entries, metadata))
         for i, (_, param) in enumerate(params):
             for key in KEYS:
@@ -318,6 +322,7 @@ def save(
             **extra,
         }
         (out / INDEX).write_text(json.dumps(index, indent=1))
+    return {f"{OPTIM}/{name}": handle.entry()}
 
 
 # ---- load -------------------------------------------------------------------------------

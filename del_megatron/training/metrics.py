@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..config import ConfigError
-from ..outputs import write_text_atomic
+from ..outputs import write_error, write_text_atomic
 
 
 class PairSum:
@@ -213,10 +213,13 @@ class Reporter:
         last_step, last = flushed[-1]
         self.bar.set_postfix(loss=f"{last['loss']:.3f}", digit_acc=f"{last['digit_acc']:.3f}")
         if self.enabled:
-            with open(self.path, "a") as f:  # exact floats
-                for step, values in flushed:
-                    self.sink.log(values, step)
-                    f.write(json.dumps({"step": step, **values}) + "\n")
+            try:
+                with open(self.path, "a") as f:  # exact floats
+                    for step, values in flushed:
+                        self.sink.log(values, step)
+                        f.write(json.dumps({"step": step, **values}) + "\n")
+            except OSError as err:  # a full disk: one line, not a traceback
+                raise write_error(self.path.parent, err) from None
             if show:
                 self.bar.write(console_line(last_step, self.total, last))
         return flushed

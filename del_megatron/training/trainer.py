@@ -7,9 +7,11 @@ the engine, so there is no pipeline parallelism.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from ..models.device import (
     resolve_device,
     select_accelerator,
 )
+from ..outputs import agreed_output_lock
 from . import progress
 from .initial_weights import initialize_weights, open_initial_weights
 from .metrics import PairSum, Reporter, StepMetrics, means
@@ -331,12 +334,15 @@ def train(
     """
     from . import checkpoint, resume_changes
 
-    with StopRequest() as stop:  # first: a signal during set-up is a stop, not a kill
+    # StopRequest first: a signal during set-up is a stop, not a kill
+    with StopRequest() as stop, contextlib.ExitStack() as held:
         path = checkpoint.resolve(resume, cfg.output_dir)
         changes = resume_changes.review(path, cfg, resume) if path is not None else None
         for line in changes.lines if changes else []:
             progress.say(line)
         run = setup(cfg, changes.schedule if changes else None)
+        # one job writes an output_dir: a second is refused on every rank (outputs.py)
+        held.enter_context(agreed_output_lock(Path(cfg.output_dir), leader=run.is_main))
         loader = None
         if batches is None:
             loader = StreamingLoader(

@@ -4,6 +4,7 @@ checked before a model loads (a wrong file must not cost the minutes of loading 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -179,6 +180,45 @@ def test_heldout_metrics_of_a_hugging_face_model(capsys, tiny_models, synth_shar
     assert numeric["seq_len"] == 64 and numeric["batches"] == 2
     assert numeric["tokens"] == 2 * 2 * 64 and numeric["digits"] > 0
     assert 0 < numeric["loss"] < 20 and "| windows (tokens) | 64 |" in capsys.readouterr().out
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(capsys, tmp_path, tmpfs):
+    """--out on a read-only filesystem, or naming a file: refused before the model loads
+    (before: the whole evaluation ran, then an OSError traceback, the results never shown)."""
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    read_only = tmpfs("64k", read_only=True)
+    argv = [NO_MODEL, "--gsm8k", one, "--shots", "0", "--out"]
+    line = fails(capsys, *argv, read_only / "eval")
+    assert f"--out {read_only}/eval: cannot write there (Read-only file system)" in line, line
+    line = fails(capsys, *argv, one)
+    assert f"--out {one}: exists and is not a directory" in line, line
+    line = fails(capsys, "compare", tmp_path, "--out", read_only / "cmp")
+    assert "cannot write there (Read-only file system)" in line, line
+
+
+def test_results_are_shown_before_they_are_written(
+    capsys, tiny_models, synth_shards, tmpfs
+):
+    """A write that fails after the work (here the disk has room for the lock, not for the
+    results) is one line, and the table is on the console already (before: an OSError
+    traceback, no table)."""
+    small = tmpfs("64k")
+    out = small / "out"
+    out.mkdir()
+    filler = os.open(small / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(filler, b"x" * 4096):
+            pass
+    except OSError:  # full: then one page freed, which the lock file takes
+        os.ftruncate(filler, os.fstat(filler).st_size - 4096)
+    os.close(filler)
+    argv = ["--heldout", synth_shards, "--max-batches", "1", "--batch-size", "1", "--quiet"]
+    assert main([str(a) for a in [tiny_models / "fits", *argv, "--out", out]]) == 2
+    captured = capsys.readouterr()
+    assert "| windows (tokens) | 64 |" in captured.out
+    assert f"{out}: no space left on the device" in captured.err
+    assert "Traceback" not in captured.err
 
 
 def test_a_step_that_does_not_exist_is_named_with_the_steps_that_do(capsys, tmp_path):

@@ -115,7 +115,7 @@ def test_a_failed_export_leaves_the_previous_one(weights, capsys):
     assert code == 2
     one_line(err, "tp03.safetensors: not a readable safetensors file")
     assert snapshot(out) == before
-    assert not (weights / ".export.partial").exists()
+    assert not list(weights.glob(".export.*"))  # no staging, no lock
 
 
 def break_weights(case: str, root: Path) -> None:
@@ -208,3 +208,17 @@ def test_convert_mistakes(case, argv, expected, weights, capsys):
     else:
         one_line(err, expected)
     assert snapshot(weights) == before  # nothing written, nothing lost
+
+
+def test_a_full_disk_is_one_line_and_the_previous_output_stays(weights, capsys, tmpfs):
+    """ENOSPC while writing (a 64 KiB tmpfs): one line naming the output, nothing left
+    (before: safetensors' own error as a traceback)."""
+    small = tmpfs("64k")
+    for argv in (
+        ["hf-to-megatron", "--hf", weights / "hf", "--out", small / "m", "--tp", "4"],
+        ["megatron-to-hf", "--checkpoint", weights / "m", "--out", small / "export"],
+    ):
+        code, err = run(capsys, *argv)
+        assert code == 2
+        one_line(err, f"{argv[4]}: no space left on the device")
+        assert not [p for p in small.rglob("*") if p.is_file()]  # no staging, lock, half output

@@ -62,6 +62,25 @@ def fake_checkpoint(out: Path, tree: dict, fingerprint: str, *, world: int = 2) 
     return path
 
 
+def with_optimizer_files(path: Path) -> None:
+    """Give a fake checkpoint (saved at TP 2 x DP 1, ZeRO 1) the optimizer files a resume
+    reads, in their formats: DeepSpeed's per-rank files and the layout-free state."""
+    from safetensors.torch import save_file
+
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "zero_stage": 1}))
+    (path / "state").mkdir()
+    for tp in range(2):
+        torch.save({}, path / "state" / f"mp_rank_{tp:02d}_model_states.pt")
+        torch.save({}, path / "state" / f"zero_pp_rank_0_mp_rank_{tp:02d}_optim_states.pt")
+    (path / "optim").mkdir()
+    params = [{"name": "w", "canonical": "w", "partition": None, "shape": [2], "writer": 0}]
+    index = {"format": 1, "tensor_parallel": 2, "data_parallel": 1, "params": params}
+    (path / "optim" / "index.json").write_text(json.dumps(index))
+    for tp in range(2):
+        save_file({"w/fp32": torch.zeros(2)}, str(path / "optim" / f"tp{tp:02d}-dp00.safetensors"))
+
+
 def damage(case: str, tmp: Path, shards: Path, fingerprint: str, tree: dict) -> list[str]:
     """Prepare `case`; returns the extra arguments it needs."""
     manifest = shards / "manifest.json"
@@ -99,6 +118,19 @@ def damage(case: str, tmp: Path, shards: Path, fingerprint: str, tree: dict) -> 
             state["num_workers"] = 1 if case == "checkpoint of two sources" else 2
             state["workers"] = {"0": {"readers": [{}, {}] if "two" in case else [{}]}}
             (path / "data_state.json").write_text(json.dumps([state, state]))
+        elif case.startswith(("checkpoint missing its ", "checkpoint with a layout-free")):
+            with_optimizer_files(path)
+            missing = {
+                "checkpoint missing its DeepSpeed optimizer file": "state/"
+                "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+                "checkpoint missing its layout-free file": "optim/tp01-dp00.safetensors",
+                "checkpoint with a layout-free file cut short": None,
+            }[case]
+            if missing:
+                (path / missing).unlink()
+            else:
+                cut = path / "optim" / "tp00-dp00.safetensors"
+                cut.write_bytes(cut.read_bytes()[:-4])
         elif case == "checkpoint of another tokenizer":
             meta = json.loads((path / "meta.json").read_text())
             (path / "meta.json").write_text(json.dumps({**meta, "tokenizer": "vocab-other"}))
@@ -138,6 +170,23 @@ CASES = [
     ("checkpoint of another architecture", [], "saved with model.hidden_size=256"),
     ("checkpoint missing rng", [], "rank00001.pt: missing"),
     ("checkpoint of another tokenizer", [], "saved with another tokenizer"),
+    # the files the load reads, checked by the dry run as by the run (before: the dry run
+    # reported resume_step, the run refused after building the model)
+    (
+        "checkpoint missing its DeepSpeed optimizer file",
+        [],
+        "zero_pp_rank_0_mp_rank_01_optim_states.pt: missing (the resume reads it)",
+    ),
+    (
+        "checkpoint missing its layout-free file",
+        ["parallel.tensor_parallel=1"],
+        "optim/tp01-dp00.safetensors: missing (the resume reads it)",
+    ),
+    (
+        "checkpoint with a layout-free file cut short",
+        ["parallel.tensor_parallel=1"],
+        "tp00-dp00.safetensors: unreadable (",
+    ),
     (
         "checkpoint of two sources",
         [],

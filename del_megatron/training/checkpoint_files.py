@@ -1,0 +1,175 @@
+"""The files of a checkpoint: which ones a resume reads, their index (`files.json`: every
+file's size and SHA-256), the start-up check of sizes and headers, and the verification of
+contents when a checkpoint is loaded.
+
+* **Written** by `write_index` at the end of a save, once every rank has written its files:
+  the file that a writer hashed as it wrote it (the layout-free state, `HashingWriter`) is
+  taken as hashed; every other file (DeepSpeed's, torch's RNG files, the small JSON files) is
+  hashed by one rank, the ranks sharing the files round robin, and rank 0 writes the index.
+* **Checked** by `check_files` before anything loads (the dry run, `--check` and the run
+  share it through `checkpoint.check`): every file the load will read exists, has the size
+  the index records and a whole header (a torch zip's end record, a safetensors header whose
+  tensors end at the file's end). Contents are not read here.
+* **Verified** by `verify_share` when the checkpoint is loaded: every rank hashes its share
+  of the files, the ranks agree on the outcome, and a file whose bytes differ from the index
+  is refused on every rank, naming it.
+
+A checkpoint saved before the index existed has no `files.json`: its files are checked by
+name and header, and its contents are not verified.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from ..checksums import (
+    FORMAT,
+    INDEX,
+    ChecksumError,
+    hash_file,
+    read_index,
+    verify_listed,
+)
+
+DEEPSPEED_TAG = "state"  # the directory (DeepSpeed's "tag") of DeepSpeed's own files
+
+
+class CheckpointFileError(ChecksumError):
+    """A checkpoint file missing, cut short or changed; the message names it."""
+
+
+def _all_files(directory: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(directory))
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != INDEX
+    )
+
+
+def write_index(directory: Path, known: dict[str, dict[str, Any]], rank: int, world: int) -> None:
+    """directory/files.json. Every rank calls it once its files are written (a collective):
+    `known` holds the entries of the files this rank hashed as it wrote them."""
+    from .. import collectives
+
+    entries: dict[str, dict[str, Any]] = {}
+    for part in collectives.all_gather_object(known):
+        entries.update(part)
+    rest = [name for name in _all_files(directory) if name not in entries]
+    mine = {name: hash_file(directory / name) for name in rest[rank::world]}
+    for part in collectives.all_gather_object(mine):
+        entries.update(part)
+    if rank == 0:
+        index = {"format": FORMAT, "files": dict(sorted(entries.items()))}
+        (directory / INDEX).write_text(json.dumps(index, indent=1))
+
+
+# ---- which files a resume reads -----------------------------------------------------------
+
+
+def deepspeed_files(meta: dict[str, Any]) -> list[str]:
+    """DeepSpeed's files of a checkpoint that a resume at its saved layout reads (DeepSpeed
+    0.19.8's names; a bf16 run's optimizer files carry a `bf16_` prefix, either is taken)."""
+    tp, dp, zero = meta.get("tensor_parallel"), meta.get("data_parallel"), meta.get("zero_stage")
+    if not isinstance(tp, int) or not isinstance(dp, int) or zero is None:
+        return []  # saved before the layout was recorded: DeepSpeed's own load says
+    names = []
+    for t in range(tp):
+        if zero == 3:
+            names += [f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt" for d in range(dp)]
+        else:
+            names.append(f"mp_rank_{t:02d}_model_states.pt")
+        names += [f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for d in range(dp)]
+    return [f"{DEEPSPEED_TAG}/{name}" for name in names]
+
+
+def layout_free_files(optim_index: dict[str, Any]) -> list[str]:
+    """The layout-free state's files a resume at another layout reads (its index's writers at
+    every saved tensor-parallel rank)."""
+    from . import layout_free
+
+    writers = {e["writer"] for e in [*optim_index["params"], *optim_index.get("buffers", [])]}
+    return [
+        f"{layout_free.OPTIM}/{layout_free.file_name(tp, dp)}"
+        for tp in range(int(optim_index["tensor_parallel"]))
+        for dp in sorted(writers)
+    ]
+
+
+# ---- sizes and headers --------------------------------------------------------------------
+
+
+def _present(checkpoint: Path, name: str) -> Path:
+    path = checkpoint / name
+    if path.is_file():
+        return path
+    if name.startswith(f"{DEEPSPEED_TAG}/zero_pp_rank_"):  # a bf16 run's optimizer file
+        bf16 = checkpoint / DEEPSPEED_TAG / f"bf16_{Path(name).name}"
+        if bf16.is_file():
+            return bf16
+    raise CheckpointFileError(f"{path}: missing (the resume reads it)")
+
+
+def _check_header(path: Path, size: int) -> None:
+    """A whole file by its header: a torch zip ends with its end-of-directory record, a
+    safetensors file's tensors end where the file does."""
+    with open(path, "rb") as handle:
+        if path.suffix == ".pt":
+            head = handle.read(4)
+            handle.seek(max(0, size - (1 << 16) - 22))
+            tail = handle.read()
+            if head != b"PK\x03\x04" or b"PK\x05\x06" not in tail:
+                raise CheckpointFileError(
+                    f"{path}: unreadable (not a whole torch file: cut short?)"
+                )
+        elif path.suffix == ".safetensors":
+            raw = handle.read(8)
+            try:
+                (length,) = struct.unpack("<Q", raw)
+                header = json.loads(handle.read(min(length, size)))
+                end = max(
+                    (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                    default=0,
+                )
+            except (struct.error, ValueError, KeyError, TypeError) as err:
+                raise CheckpointFileError(
+                    f"{path}: unreadable (not a safetensors header: {err})"
+                ) from None
+            if 8 + length + end != size:
+                raise CheckpointFileError(
+                    f"{path}: unreadable ({size} bytes, its header says {8 + length + end}: "
+                    "cut short?)"
+                )
+
+
+def check_files(checkpoint: Path, needed: list[str]) -> None:
+    """Every file of the index at its recorded size, and every file in `needed` (what the
+    load reads) present with a whole header; contents are not read."""
+    index = read_index(checkpoint) or {}
+    for name, entry in index.items():
+        path = checkpoint / name
+        if not path.is_file():
+            raise CheckpointFileError(f"{path}: missing (listed in {checkpoint / INDEX})")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointFileError(
+                f"{path}: unreadable ({size} bytes, {INDEX} says {entry['bytes']}: cut short "
+                "or replaced?)"
+            )
+    for name in needed:
+        path = _present(checkpoint, name)
+        _check_header(path, path.stat().st_size)
+
+
+# ---- contents -----------------------------------------------------------------------------
+
+
+def verify_share(checkpoint: Path, rank: int, world: int) -> str | None:
+    """This rank's share of the index's files hashed against it (round robin); the first
+    mismatch as a one-line message, or None. The caller agrees the outcome over the ranks."""
+    index = read_index(checkpoint)
+    if index is None:
+        return None
+    return verify_listed(checkpoint, sorted(index)[rank::world])
