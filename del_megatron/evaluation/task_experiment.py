@@ -59,9 +59,9 @@ class Protocol:
 FULL = Protocol(
     kinds=ALL_KINDS,
     seeds=(1, 2, 3, 4, 5),
-    steps=600,
-    eval_every=100,
-    documents=20000,
+    steps=1500,
+    eval_every=250,
+    documents=40000,
     heldout=200,
     greedy_limit=100,
 )
@@ -114,26 +114,24 @@ def check_root(protocol: Protocol, root: Path) -> None:
 
 
 def prepare_data(protocol: Protocol, root: Path) -> Path:
-    """The task suite, its tokenizer and training shards under root/data (made once)."""
-    from data_tools.build import build_shards
-    from data_tools.tasks import write_tasks
-    from data_tools.tokenizer_train import train_tokenizer
-
+    """The task suite, its tokenizer and training shards under root/data, made once by the
+    `data-tools` commands a user would type (docs/data.md)."""
     data = root / "data"
     ready = data / "ready"
     if ready.is_file():
         return data
-    write_tasks(
-        data / "tasks",
-        documents=protocol.documents,
-        heldout=protocol.heldout,
-        seed=protocol.data_seed,
-    )
-    train = data / "tasks" / "train.jsonl"
-    train_tokenizer([train], data / "tokenizer.model", vocab_size=1000)
-    build_shards(
-        [train], data / "shards", data / "tokenizer.model", shard_bytes=1 << 20, progress=False
-    )
+    train, tokenizer = data / "tasks" / "train.jsonl", data / "tokenizer.model"
+    suite = ["-o", data / "tasks", "--documents", protocol.documents]
+    suite += ["--heldout", protocol.heldout, "--seed", protocol.data_seed]
+    for arguments in (
+        ["tasks", *suite],
+        ["tokenizer", train, "-o", tokenizer, "--vocab-size", 1000],
+        ["build", train, "-o", data / "shards", "--tokenizer", tokenizer, "--shard-mb", 1],
+    ):
+        command = [sys.executable, "-m", "data_tools", *map(str, arguments)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise UserError(f"{' '.join(command[2:4])} failed: {done.stderr.strip()[-2000:]}")
     ready.write_text("")
     return data
 
@@ -370,11 +368,11 @@ def experiment_main(argv: list[str]) -> int:
     out = a.out or root / "report"
     started = time.monotonic()
     runs = run_protocol(protocol, root, jobs=a.jobs)
-    from .task_report import write_report
+    from .task_report import read_runs, write_report
 
     command = "bash launch/experiments/numeric_tasks.sh " + " ".join(argv)
     written = write_report(
-        [r.directory / "metrics.json" for r in runs],
+        read_runs(r.directory / "metrics.json" for r in runs),
         out,
         protocol=protocol.fingerprint() | {"kinds": protocol.kinds, "seeds": protocol.seeds},
         command=command.strip(),

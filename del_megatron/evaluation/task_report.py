@@ -5,6 +5,8 @@ interval paired by seed, steps to the digit-accuracy threshold) and the plots.
 
     python -m del_megatron.evaluation.task_report RAW_RUNS_JSONL --out DIR
         (the report again from the raw rows alone)
+    python -m del_megatron.evaluation.task_report --evaluated KIND-SEED ... --out DIR
+        (from `del-eval --tasks` results, one step a run: compare_losses_gpu.sh)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ..outputs import write_text_atomic
 from .effects import Interval, paired_effect, steps_to_threshold, t_interval
 
 BASELINE = "mle"
-THRESHOLD = 0.8  # digit accuracy: steps-to-threshold (sample efficiency)
+THRESHOLD = 0.8  # of the best digit accuracy: steps-to-threshold (sample efficiency)
 EFFECTS = [  # (metric, label, format): differences to MLE
     ("digit_acc", "digit accuracy", "+.3f"),
     ("exact_teacher_forced", "exact match, teacher-forced", "+.3f"),
@@ -41,12 +43,39 @@ FINAL = [  # (metric, label): the final step's values over seeds
 KEYS = ("kind", "seed", "step", "task")
 
 
-def raw_rows(metrics_files: Iterable[Path]) -> list[dict]:
-    """One row per kind, seed, step and task from the runs' metrics.json files."""
-    rows = []
+def read_runs(metrics_files: Iterable[Path]) -> list[dict]:
+    """The runs' metrics.json files ({kind, seed, curve: [{step, tasks}]})."""
+    runs = []
     for path in metrics_files:
         try:
-            run = json.loads(path.read_text())
+            runs.append(json.loads(path.read_text()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise UserError(f"{path}: not a run's metrics ({err})") from None
+    return runs
+
+
+def run_of_evaluation(directory: Path) -> dict:
+    """A run in the protocol's form from `del-eval --tasks` results in `directory` (named
+    KIND-SEED, as launch/experiments/compare_losses_gpu.sh names them; the step read from
+    the evaluated checkpoint's name, 0 for another model)."""
+    from .compare import group_name, read_results
+
+    results = read_results(directory)
+    if not isinstance(results.get("tasks"), dict):
+        raise UserError(f"{directory}/results.json: no task metrics (evaluate with --tasks)")
+    kind, seed = group_name(directory, "parent-name"), directory.name.rsplit("-", 1)[-1]
+    if not (kind != directory.name and seed.isdigit()):
+        raise UserError(f"{directory}: not named KIND-SEED")
+    step_name = Path(str(results.get("model", ""))).name
+    step = int(step_name[5:]) if step_name.startswith("step-") and step_name[5:].isdigit() else 0
+    return {"kind": kind, "seed": int(seed), "curve": [{"step": step, "tasks": results["tasks"]}]}
+
+
+def raw_rows(runs: list[dict]) -> list[dict]:
+    """One row per kind, seed, step and task (every scalar measured)."""
+    rows = []
+    for run in runs:
+        try:
             for point in run["curve"]:
                 for task, values in point["tasks"].items():
                     kept = {k: v for k, v in values.items() if isinstance(v, int | float | str)}
@@ -59,8 +88,8 @@ def raw_rows(metrics_files: Iterable[Path]) -> list[dict]:
                             **kept,
                         }
                     )
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
-            raise UserError(f"{path}: not a run's metrics ({err})") from None
+        except (KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"a run's metrics lack {err}") from None
     return rows
 
 
@@ -176,8 +205,9 @@ def curve(
 
 
 def threshold_table(rows: list[dict], threshold: float = THRESHOLD) -> str:
-    """Per task and kind: the mean over seeds of the first evaluated step with digit
-    accuracy >= threshold, among the seeds that reach it (k/n of them)."""
+    """Per task and kind: the mean over seeds of the first evaluated step whose digit
+    accuracy reaches `threshold` of the best any model can (1 for exact tasks), among the
+    seeds that reach it (k/n of them)."""
     kinds = _order(r["kind"] for r in rows)
     lines = ["| task | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
     for task in _order(r["task"] for r in rows):
@@ -185,7 +215,7 @@ def threshold_table(rows: list[dict], threshold: float = THRESHOLD) -> str:
         for kind in kinds:
             seeds = sorted({r["seed"] for r in rows if r["kind"] == kind})
             steps = [
-                steps_to_threshold(curve(rows, kind, s, task, "digit_acc"), threshold)
+                steps_to_threshold(curve(rows, kind, s, task, "relative_digit_acc"), threshold)
                 for s in seeds
             ]
             reached = [s for s in steps if s is not None]
@@ -196,6 +226,16 @@ def threshold_table(rows: list[dict], threshold: float = THRESHOLD) -> str:
             )
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _save(fig, axes, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    axes.flat[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
@@ -221,15 +261,12 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
             ]
             ax.plot(steps, [b.mean for b in bands], label=kind, linewidth=1)
             ax.fill_between(steps, [b.low for b in bands], [b.high for b in bands], alpha=0.15)
-        ax.axhline(THRESHOLD, color="grey", linestyle=":", linewidth=0.8)
+        best = next(r["best_digit_acc"] for r in rows if r["task"] == task)
+        ax.axhline(THRESHOLD * best, color="grey", linestyle=":", linewidth=0.8)
         ax.set_title(task, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("digit accuracy", fontsize=8)
-    axes.flat[0].legend(fontsize=6)
-    fig.tight_layout()
-    written.append(out / "curves.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(fig, axes, out / "curves.png"))
 
     others = [k for k in kinds if k != BASELINE]
     fig, axes = plt.subplots(
@@ -261,11 +298,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         ax.set_yticklabels(tasks, fontsize=7)
         ax.invert_yaxis()
         ax.set_title(f"{label}\nminus MLE (95% CI)", fontsize=8)
-    axes.flat[0].legend(fontsize=6)
-    fig.tight_layout()
-    written.append(out / "effects.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(fig, axes, out / "effects.png"))
 
     fig, axes = plt.subplots(*grid, figsize=(4 * cols, 3 * grid[0]), squeeze=False)
     last = steps[-1]
@@ -280,11 +313,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         ax.set_xticklabels(kinds, rotation=45, fontsize=7)
         ax.set_title(task, fontsize=9)
         ax.set_ylabel("digit entropy (nats)", fontsize=8)
-    axes.flat[0].legend(fontsize=6)
-    fig.tight_layout()
-    written.append(out / "entropy.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(fig, axes, out / "entropy.png"))
     return written
 
 
@@ -293,10 +322,11 @@ def report(rows: list[dict], *, protocol: dict, command: str, minutes: float) ->
 
     effect_md, notes = effect_tables(rows)
     last = max(r["step"] for r in rows)
+    took = "" if math.isnan(minutes) else f"{minutes:.0f} minutes on "
     noted = "\n".join(f"* {n}" for n in notes) or "* none: no interval excludes 0"
     return f"""# Numeric tasks: every loss kind against MLE
 
-`{command}`, {datetime.date.today()}, {minutes:.0f} minutes on {machine()}.
+`{command}`, {datetime.date.today()}, {took}{machine()}.
 
 Protocol: {json.dumps(protocol)}. Metrics on each task's held-out answers at step {last}
 (the last); mean ± standard deviation over seeds. Differences to MLE are paired by seed,
@@ -314,9 +344,11 @@ raw_runs.jsonl --out DIR`.
 ## Differences to MLE
 
 {effect_md}
-## Steps to digit accuracy {THRESHOLD}
+## Steps to {THRESHOLD} of the best digit accuracy
 
-Mean over the seeds that reach it (how many of them do) of the first evaluated step.
+The first evaluated step whose digit accuracy reaches {THRESHOLD} of the best any model can
+reach (1 for exact tasks; the noisy task's true top probabilities): mean over the seeds
+that reach it (how many of them do).
 
 {threshold_table(rows)}
 ![learning curves](curves.png)
@@ -340,10 +372,10 @@ def write_outputs(rows: list[dict], out: Path, recorded: dict) -> Path:
 
 
 def write_report(
-    metrics_files: list[Path], out: Path, *, protocol: dict, command: str, minutes: float
+    runs: list[dict], out: Path, *, protocol: dict, command: str, minutes: float
 ) -> Path:
     """raw_runs.jsonl and protocol.json (what the report is made from), then the report."""
-    rows = raw_rows(metrics_files)
+    rows = raw_rows(runs)
     recorded = {"protocol": protocol, "command": command, "minutes": minutes}
     write_text_atomic(out / "raw_runs.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     write_text_atomic(out / "protocol.json", json.dumps(recorded, indent=1) + "\n")
@@ -352,13 +384,26 @@ def write_report(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("raw", type=Path, help="raw_runs.jsonl of a report (protocol.json beside)")
+    p.add_argument("raw", nargs="?", type=Path, help="raw_runs.jsonl (protocol.json beside)")
+    p.add_argument(
+        "--evaluated",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="instead: del-eval --tasks results of runs named KIND-SEED",
+    )
+    p.add_argument("--command", default="", help="what made the runs (with --evaluated)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
+    if (a.raw is None) == (a.evaluated is None):
+        p.error("give raw_runs.jsonl or --evaluated DIR ...")
     try:
-        rows = read_raw(a.raw)
-        recorded = json.loads((a.raw.parent / "protocol.json").read_text())
-        write_outputs(rows, a.out, recorded)
+        if a.evaluated:
+            runs = [run_of_evaluation(d) for d in a.evaluated]
+            write_report(runs, a.out, protocol={}, command=a.command, minutes=math.nan)
+        else:
+            recorded = json.loads((a.raw.parent / "protocol.json").read_text())
+            write_outputs(read_raw(a.raw), a.out, recorded)
     except (UserError, OSError, json.JSONDecodeError, KeyError) as err:
         print(f"task_report: error: {err}", file=sys.stderr)
         return 2

@@ -25,6 +25,18 @@ from .generation import GenerationSettings, Problem, gold_of, prompt_of
 TEMPLATE = "{question}\nAnswer:"  # the training text's form (data_tools/tasks.py, text_of)
 
 
+@dataclass(frozen=True, kw_only=True)
+class TaskSuiteSettings:
+    directory: Path
+    """What `data-tools tasks` wrote (tasks.json, heldout/)."""
+    shots: int = 0
+    """Solved problems of the same task before each prompt (the first held-out ones)."""
+    limit: int | None = None
+    """Greedy answers to at most this many problems a task (teacher-forced: every one)."""
+    backend: str = "transformers"
+    batch_size: int = 8
+
+
 @dataclass(frozen=True)
 class TaskSet:
     name: str
@@ -215,6 +227,8 @@ def evaluate_suite(
             "entropy_gap": metrics["digit_entropy"] - metrics["true_digit_entropy"],
             "digit_ece": metrics["digit_calibration_error"],
             "best_digit_acc": metrics["best_digit_acc"],
+            # what a model reaches of what any can (the noisy task's best is below 1)
+            "relative_digit_acc": metrics["digit_acc"] / metrics["best_digit_acc"],
             "answer_loss": metrics["loss"],
             "digits": metrics["digits"],
             "greedy_examples": greedy["examples"][:3],

@@ -14,7 +14,7 @@ import pytest
 from del_megatron.errors import UserError
 from del_megatron.evaluation import task_experiment as ex
 from del_megatron.evaluation.task_report import main as report_main
-from del_megatron.evaluation.task_report import read_raw, write_report
+from del_megatron.evaluation.task_report import read_raw, read_runs, write_report
 
 TASKS = {"copy": ("easy", 0.0), "noisy": ("easy", 0.6)}
 PROTOCOL = ex.Protocol(
@@ -47,6 +47,7 @@ def fake_metrics(kind: str, seed: int) -> dict:
                 "entropy_gap": 1.0 - truth,
                 "digit_ece": 0.1,
                 "best_digit_acc": 1.0,
+                "relative_digit_acc": acc,
             }
         curve.append({"step": step, "tasks": tasks})
     return {"kind": kind, "seed": seed, "curve": curve, "seconds": {"train": 1, "evaluate": 1}}
@@ -127,7 +128,7 @@ def test_report_intervals_from_the_raw_rows(tmp_path):
             path.write_text(json.dumps(fake_metrics(kind, seed)))
             files.append(path)
     out = tmp_path / "report"
-    page = write_report(files, out, protocol={"steps": 4}, command="cmd", minutes=1.0)
+    page = write_report(read_runs(files), out, protocol={"steps": 4}, command="cmd", minutes=1.0)
     rows = read_raw(out / "raw_runs.jsonl")
     assert len(rows) == 2 * 3 * 2 * 2  # kinds x seeds x steps x tasks
     text = page.read_text()
