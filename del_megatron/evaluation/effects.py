@@ -10,6 +10,10 @@ import math
 import statistics
 from dataclasses import dataclass
 
+# Fewer pairs give no claim: with 2 seeds a discrete metric (digit accuracy on a few hundred
+# digits) often moves by the same amount at both, a zero-width interval that says nothing.
+MIN_PAIRS = 3
+
 
 @dataclass(frozen=True)
 class Interval:
@@ -20,7 +24,8 @@ class Interval:
 
     @property
     def excludes_zero(self) -> bool:
-        return self.n >= 2 and (self.low > 0 or self.high < 0)
+        """The interval excludes 0, from MIN_PAIRS pairs or more."""
+        return self.n >= MIN_PAIRS and (self.low > 0 or self.high < 0)
 
 
 def t_interval(values: list[float], confidence: float = 0.95) -> Interval:

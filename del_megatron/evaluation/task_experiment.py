@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -343,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _stopped(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # run_protocol ends its children on the way out
+
+
 def experiment_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="numeric_tasks", description=__doc__.splitlines()[0])
     p.add_argument("--ci", action="store_true", help="the short version CI runs")
@@ -367,6 +372,7 @@ def experiment_main(argv: list[str]) -> int:
     root = a.root or Path("runs/numeric-tasks-ci" if a.ci else "runs/numeric-tasks")
     out = a.out or root / "report"
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, _stopped)  # a kill ends the runs in flight too
     runs = run_protocol(protocol, root, jobs=a.jobs)
     from .task_report import read_runs, write_report
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..outputs import write_text_atomic
-from .effects import Interval, paired_effect, steps_to_threshold, t_interval
+from .effects import MIN_PAIRS, Interval, paired_effect, steps_to_threshold, t_interval
 
 BASELINE = "mle"
 THRESHOLD = 0.8  # of the best digit accuracy: steps-to-threshold (sample efficiency)
@@ -330,7 +330,8 @@ def report(rows: list[dict], *, protocol: dict, command: str, minutes: float) ->
 
 Protocol: {json.dumps(protocol)}. Metrics on each task's held-out answers at step {last}
 (the last); mean ± standard deviation over seeds. Differences to MLE are paired by seed,
-with a 95% Student t interval; **✱** marks an interval that excludes 0. Recompute
+with a 95% Student t interval; **✱** marks an interval that excludes 0 (from
+{MIN_PAIRS} seeds or more; fewer make no claim). Recompute
 everything from raw_runs.jsonl: `python -m del_megatron.evaluation.task_report
 raw_runs.jsonl --out DIR`.
 

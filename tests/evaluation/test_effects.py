@@ -26,7 +26,11 @@ def test_t_interval_by_hand():
     two = t_interval([0.1, 0.3])
     assert two.high - two.mean == pytest.approx(12.7062047 * math.sqrt(0.02) / math.sqrt(2))
     assert not two.excludes_zero  # [-1.07, 1.47]
-    assert t_interval([0.1, 0.3], confidence=0.5).excludes_zero  # t(0.75, 1) = 1
+    # t(0.75, 2) = 0.8164966: [0.2 - 0.0471, 0.2 + 0.0471] excludes 0 at 50%
+    assert t_interval([0.1, 0.2, 0.3], confidence=0.5).excludes_zero
+    # two equal differences: a zero-width interval, and no claim from two seeds
+    same = t_interval([-0.04, -0.04])
+    assert same.low == same.high == pytest.approx(-0.04) and not same.excludes_zero
 
 
 def test_too_few_values_have_no_interval():
