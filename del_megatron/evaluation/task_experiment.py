@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -280,7 +281,12 @@ def run_protocol(
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
         for future in [pool.submit(one, r) for r in todo]:
-            future.result()
+            while True:  # woken each second: a signal is handled by this thread only
+                try:
+                    future.result(timeout=1.0)
+                    break
+                except FuturesTimeout:
+                    continue
     except BaseException:
         children.stop()
         raise
@@ -345,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stopped(signum, frame) -> None:
+    print(
+        "numeric tasks: stopped; the same command continues (finished runs are kept)",
+        file=sys.stderr,
+        flush=True,
+    )
     raise SystemExit(128 + signum)  # run_protocol ends its children on the way out
 
 

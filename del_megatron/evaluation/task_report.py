@@ -231,7 +231,8 @@ def threshold_table(rows: list[dict], threshold: float = THRESHOLD) -> str:
 def _save(fig, axes, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    axes.flat[0].legend(fontsize=6)
+    if axes.flat[0].get_legend_handles_labels()[1]:  # kinds besides MLE to name
+        axes.flat[0].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -207,13 +207,19 @@ def evaluate_suite(
     """{task: metrics} of `loaded`: the teacher-forced answer metrics of every held-out
     problem, and greedy exact match (`exact_greedy`) of the first `greedy_limit` of them
     (None: all; 0: none, exact_greedy NaN)."""
+    generator = loaded
+    if greedy_limit != 0 and backend == "transformers" and loaded.hf_model is None:
+        from .backends import hf_directory, load_model
+
+        # a checkpoint generates as its export: loaded once for every task, not once a task
+        generator = load_model(hf_directory(loaded, scratch), loaded.device)
     results = {}
     for task in suite:
         metrics = answer_metrics(loaded, task, shots=shots, batch_size=batch_size)
         greedy = {"accuracy": math.nan, "problems": 0, "examples": []}
         if greedy_limit != 0:
             greedy = _greedy(
-                loaded, task, shots, greedy_limit, positions, scratch, backend, batch_size
+                generator, task, shots, greedy_limit, positions, scratch, backend, batch_size
             )
         results[task.name] = {
             "level": task.level,

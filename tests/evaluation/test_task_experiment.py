@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -141,3 +144,37 @@ def test_report_intervals_from_the_raw_rows(tmp_path):
     again = tmp_path / "again"
     assert report_main([str(out / "raw_runs.jsonl"), "--out", str(again)]) == 0
     assert (again / "report.md").read_text() == text
+
+
+STOPPABLE = """
+import signal, sys, threading
+from pathlib import Path
+from del_megatron.evaluation import task_experiment as ex
+
+def worker(protocol, run, data, children):
+    run.directory.mkdir(parents=True)
+    # the kernel hands a process's signal to any of its threads: here the worker's
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+    print("signalled", flush=True)
+    children.run(["sleep", "600"], run.directory / "log")  # a run in flight
+
+protocol = ex.Protocol(kinds=("mle",), seeds=(1,), steps=1, eval_every=1, documents=1,
+                       heldout=1, greedy_limit=1)
+signal.signal(signal.SIGTERM, ex._stopped)
+ex.run_protocol(protocol, Path(sys.argv[1]), worker=worker, data=Path(sys.argv[1]))
+"""
+
+
+def test_sigterm_stops_the_experiment_while_a_run_is_in_flight(tmp_path):
+    """Python runs a signal's handler in the main thread only when it wakes: waiting on a
+    run's future without a timeout, it slept through a SIGTERM delivered to the worker
+    thread until the run ended (here 600 s). Woken, it stops the run's child and exits."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", STOPPABLE, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout.readline().strip() == "signalled"  # imports done
+        code = process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert code == 128 + signal.SIGTERM
