@@ -1,4 +1,4 @@
-"""`data-tools` (or `python -m data_tools`): tokenizer, synth, build, inspect.
+"""`data-tools` (or `python -m data_tools`): tokenizer, synth, tasks, build, inspect.
 
 Errors in the input (a missing file, a wrong field, a damaged record, a bad tokenizer) print
 one line naming the file and place or the field, and exit with status 2.
@@ -52,6 +52,16 @@ def cmd_synth(args: argparse.Namespace) -> None:
         args.output, documents=args.documents, heldout=args.heldout, seed=args.seed
     )
     print(f"corpus written: {train} ({args.documents} documents), {held} ({args.heldout})")
+
+
+def cmd_tasks(args: argparse.Namespace) -> None:
+    from .tasks import write_tasks
+
+    meta = write_tasks(args.output, documents=args.documents, heldout=args.heldout, seed=args.seed)
+    print(
+        f"task suite written: {meta.parent} ({args.documents} documents, {args.heldout} "
+        "held-out problems a task)"
+    )
 
 
 def cmd_build(args: argparse.Namespace) -> None:
@@ -111,6 +121,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--heldout", type=non_negative_int, default=500)
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_synth)
+
+    n = sub.add_parser(
+        "tasks", help="write the numeric task suite (data_tools/tasks.py): train and held-out"
+    )
+    n.add_argument("-o", "--output", type=Path, required=True, help="directory")
+    n.add_argument("--documents", type=positive_int, default=20000)
+    n.add_argument("--heldout", type=positive_int, default=200, help="problems a task")
+    n.add_argument("--seed", type=int, default=0)
+    n.set_defaults(func=cmd_tasks)
 
     b = sub.add_parser("build", help="tokenize corpus files into webdataset shards")
     b.add_argument("inputs", nargs="+", type=Path, help="files or directories")

@@ -1,11 +1,13 @@
 """del-eval: evaluate a checkpoint or a Hugging Face model; compare runs.
 
-    del-eval MODEL [--heldout MANIFEST ...] [--gsm8k FILE] [--lm-eval TASKS] [--out DIR]
+    del-eval MODEL [--heldout MANIFEST ...] [--gsm8k FILE] [--tasks DIR] [--lm-eval TASKS]
+             [--out DIR]
     del-eval compare RESULT_DIR ... --out DIR [--group-by-parent]
 
 MODEL is a del-megatron checkpoint (or weights directory) or a Hugging Face model directory.
 Teacher-forced numeric metrics on held-out shards (--heldout), generation accuracy on
-GSM8K-format problems (--gsm8k), standard benchmarks through lm-evaluation-harness
+GSM8K-format problems (--gsm8k), per-task metrics on the numeric task suite of `data-tools
+tasks` (--tasks), standard benchmarks through lm-evaluation-harness
 (--lm-eval, the optional extra [eval]). Results: results.json and results.md in --out, and
 the table on the console. `compare` reads results of several runs and draws PNG plots.
 Mistakes print one line and exit with status 2.
@@ -86,6 +88,19 @@ def evaluate_main(argv: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     parser.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
     parser.add_argument(
+        "--tasks",
+        type=Path,
+        metavar="DIR",
+        help="the numeric task suite `data-tools tasks` wrote: per task, teacher-forced "
+        "metrics on the answers and greedy exact match",
+    )
+    parser.add_argument(
+        "--task-shots", type=non_negative_int, default=0, help="solved problems before each"
+    )
+    parser.add_argument(
+        "--task-limit", type=positive_int, help="greedy answers to at most this many a task"
+    )
+    parser.add_argument(
         "--lm-eval",
         metavar="TASKS",
         help="lm-evaluation-harness tasks, comma-separated (extra [eval])",
@@ -111,8 +126,8 @@ def evaluate_main(argv: list[str]) -> int:
         parser.error(f"--template: only {{question}} may stand in braces ({err!r})")
     if "{question}" not in args.template:
         parser.error("--template needs {question}")
-    if not (args.heldout or args.gsm8k or args.lm_eval):
-        parser.error("nothing to evaluate: give --heldout, --gsm8k and/or --lm-eval")
+    if not (args.heldout or args.gsm8k or args.lm_eval or args.tasks):
+        parser.error("nothing to evaluate: give --heldout, --gsm8k, --tasks and/or --lm-eval")
 
     from ..evaluation.report import markdown_table, write_results
     from ..evaluation.runner import evaluate_model
@@ -121,7 +136,7 @@ def evaluate_main(argv: list[str]) -> int:
     if args.out:  # before the work: a long evaluation is not lost at its last step
         check_output_dir(args.out, "--out")
 
-    heldout = generation = lm_eval = None
+    heldout = generation = lm_eval = tasks = None
     if args.heldout:
         heldout = HeldoutSettings(
             manifests=tuple(args.heldout),
@@ -145,6 +160,16 @@ def evaluate_main(argv: list[str]) -> int:
             include=args.lm_eval_include,
             limit=args.lm_eval_limit,
         )
+    if args.tasks:
+        from ..evaluation.task_suite import TaskSuiteSettings  # imports torch: not for --help
+
+        tasks = TaskSuiteSettings(
+            directory=args.tasks,
+            shots=args.task_shots,
+            limit=args.task_limit,
+            backend=args.backend,
+            batch_size=args.batch_size,
+        )
     with output_lock(args.out) if args.out else contextlib.nullcontext():
         results = evaluate_model(
             args.model,
@@ -152,6 +177,7 @@ def evaluate_main(argv: list[str]) -> int:
             heldout=heldout,
             generation=generation,
             lm_eval=lm_eval,
+            tasks=tasks,
             seq_len=args.seq_len,
             progress=progress_bars(args.quiet),
         )

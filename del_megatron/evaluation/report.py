@@ -52,6 +52,14 @@ def markdown_table(results: dict) -> str:
         rows.append(
             "| digit acc by place | " + ", ".join(f"{k} {v:.3f}" for k, v in places.items()) + " |"
         )
+    for task, m in results.get("tasks", {}).items():  # the numeric task suite (--tasks)
+        rows.append(
+            f"| task {task} | digit acc {m['digit_acc']:.3f}, exact "
+            f"{m['exact_teacher_forced']:.3f} (teacher-forced) / {m['exact_greedy']:.3f} "
+            "(greedy), digit entropy "
+            f"{m['digit_entropy']:.3f} (true {m['true_digit_entropy']:.3f}), ECE "
+            f"{m['digit_ece']:.3f} |"
+        )
     return "\n".join(rows) + "\n"
 
 

@@ -13,6 +13,7 @@ import torch
 from .generation import GenerationSettings
 from .harness import LmEvalSettings
 from .heldout import HeldoutSettings
+from .task_suite import TaskSuiteSettings
 
 
 def evaluate_model(
@@ -22,11 +23,12 @@ def evaluate_model(
     heldout: HeldoutSettings | None = None,
     generation: GenerationSettings | None = None,
     lm_eval: LmEvalSettings | None = None,
+    tasks: TaskSuiteSettings | None = None,
     seq_len: int | None = None,
     progress: bool = True,
 ) -> dict:
     """Results of `model` (a checkpoint, weights or Hugging Face directory) on `device`:
-    {model, kind, numeric?, generation?, lm_eval?}. seq_len: the requested window, refused
+    {model, kind, numeric?, generation?, lm_eval?, tasks?}. seq_len: the requested window, refused
     past the model's positions whatever is evaluated (None: the default window)."""
     from . import generation as gen
     from .backends import load_model, max_positions
@@ -37,6 +39,11 @@ def evaluate_model(
         problems, shots = gen.problems_and_shots(generation)
     if heldout is not None:
         check_heldout(heldout.manifests)
+    suite = None
+    if tasks is not None:
+        from .task_suite import load_suite
+
+        suite = load_suite(tasks.directory)
     positions = max_positions(model)
     window = window_length(seq_len, positions)
     if progress:
@@ -57,6 +64,19 @@ def evaluate_model(
                 positions=positions,
                 scratch=Path(scratch),
                 progress=progress,
+            )
+        if tasks is not None:
+            from .task_suite import evaluate_suite
+
+            results["tasks"] = evaluate_suite(
+                loaded,
+                suite,
+                positions=positions,
+                scratch=Path(scratch),
+                shots=tasks.shots,
+                greedy_limit=tasks.limit,
+                batch_size=tasks.batch_size,
+                backend=tasks.backend,
             )
         if lm_eval is not None:
             from .backends import hf_directory

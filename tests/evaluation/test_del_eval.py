@@ -130,9 +130,23 @@ def test_generation_lm_eval_and_compare(trained, synth_corpus, tmp_path):
         "6",
         "--quiet",
     ]
-    del_eval(checkpoint, *gen, "--out", tmp_path / "gen-ckpt", "--device", "cpu")
-    result = json.loads((tmp_path / "gen-ckpt" / "results.json").read_text())["generation"]
+    # with the numeric task suite, as launch/experiments/compare_losses_gpu.sh evaluates it
+    from data_tools.tasks import MAKERS, write_tasks
+    from del_megatron.evaluation.task_report import main as task_report
+
+    write_tasks(tmp_path / "suite", documents=1, heldout=3, seed=0)
+    suite = ["--tasks", tmp_path / "suite", "--task-shots", "1", "--task-limit", "1"]
+    del_eval(checkpoint, *gen, *suite, "--out", tmp_path / "mle-1", "--device", "cpu")
+    results = json.loads((tmp_path / "mle-1" / "results.json").read_text())
+    result = results["generation"]
     assert result["problems"] == 3 and 0 <= result["accuracy"] <= 1 and len(result["examples"]) == 3
+    assert sorted(results["tasks"]) == sorted(MAKERS)  # results.json keys sorted
+    for task, metrics in results["tasks"].items():
+        assert metrics["greedy_problems"] == 1 and 0 <= metrics["exact_greedy"] <= 1, task
+        assert 0 <= metrics["digit_acc"] <= 1 and metrics["digits"] > 0, task
+    assert "| task noisy | digit acc" in (tmp_path / "mle-1" / "results.md").read_text()
+    assert task_report(["--evaluated", str(tmp_path / "mle-1"), "--out", str(tmp_path / "r")]) == 0
+    assert "**noisy** (easy; true digit entropy" in (tmp_path / "r" / "report.md").read_text()
     del_eval(
         root / "hf",
         "--lm-eval",

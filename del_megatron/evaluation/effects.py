@@ -1,0 +1,67 @@
+"""Effect sizes between loss kinds: each kind's difference to a baseline paired by seed, with
+a t confidence interval, and steps-to-threshold of learning curves. Pure functions on
+numbers: the experiment's report (`task_report`) recomputes every interval from the raw
+per-run metrics with them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+# Fewer pairs give no claim: with 2 seeds a discrete metric (digit accuracy on a few hundred
+# digits) often moves by the same amount at both, a zero-width interval that says nothing.
+MIN_PAIRS = 3
+
+
+@dataclass(frozen=True)
+class Interval:
+    mean: float
+    low: float
+    high: float
+    n: int  # pairs
+
+    @property
+    def excludes_zero(self) -> bool:
+        """The interval excludes 0, from MIN_PAIRS pairs or more."""
+        return self.n >= MIN_PAIRS and (self.low > 0 or self.high < 0)
+
+
+def t_interval(values: list[float], confidence: float = 0.95) -> Interval:
+    """The mean of `values` and its two-sided Student t interval (n - 1 degrees of
+    freedom); NaN bounds for fewer than two values. NaN values are left out."""
+    from scipy.stats import t
+
+    kept = [v for v in values if not math.isnan(v)]
+    n = len(kept)
+    if n == 0:
+        return Interval(math.nan, math.nan, math.nan, 0)
+    mean = statistics.fmean(kept)
+    if n < 2:
+        return Interval(mean, math.nan, math.nan, n)
+    half = t.ppf(0.5 + confidence / 2, n - 1) * statistics.stdev(kept) / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n)
+
+
+def paired_differences(values: dict[int, float], baseline: dict[int, float]) -> list[float]:
+    """value - baseline for each seed both have, in seed order (the pairing: the same seed
+    draws the same initial weights' stream and data order in both runs)."""
+    return [values[s] - baseline[s] for s in sorted(values.keys() & baseline.keys())]
+
+
+def paired_effect(
+    values: dict[int, float], baseline: dict[int, float], confidence: float = 0.95
+) -> Interval:
+    """The mean difference to the baseline over seeds, with its paired t interval."""
+    return t_interval(paired_differences(values, baseline), confidence)
+
+
+def steps_to_threshold(
+    curve: list[tuple[int, float]], threshold: float, *, higher_is_better: bool = True
+) -> int | None:
+    """The first evaluated step whose value reaches `threshold` (None: the curve never does)."""
+    for step, value in sorted(curve):
+        if value >= threshold if higher_is_better else value <= threshold:
+            return step
+    return None
