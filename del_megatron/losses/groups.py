@@ -134,8 +134,8 @@ def slot_class_logits(class_logits: torch.Tensor, slots: SlotSets | None) -> tor
         return class_logits
     sets = slots.offset.unsqueeze(1) + torch.arange(10, device=slots.offset.device)  # [n, 10]
     members, valid = slots.members[sets], slots.valid[sets]  # [n, 10, W]
-    rows = class_logits.shape[0]
-    gathered = class_logits.gather(1, members.view(rows, -1)).view(members.shape)
+    # flatten, not view(rows, -1): a micro-batch without a number has rows = 0
+    gathered = class_logits.gather(1, members.flatten(1)).view(members.shape)
     return _SetLogSumExp.apply(gathered, valid)
 
 

@@ -12,6 +12,7 @@ from del_megatron.losses.vocab import POINT_CLASS
 
 from ..utils import assert_close
 from .batches import (
+    GROUPED_OTHER_IDS,
     GROUPED_POINT_IDS,
     GROUPED_STRINGS,
     GROUPED_VOCAB_SIZE,
@@ -171,3 +172,20 @@ def test_grouped_machinery_at_m1_on_the_shard_ops_is_bit_for_bit(kind, group, mo
     monkeypatch.setattr(DigitVocab, "grouped", property(lambda self: True))
     grouped = run()
     assert all(torch.equal(a, b) for a, b in zip(grouped, today, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["del", "del_distance", "ntl_was", "ntl_mse", "dist2"])
+def test_grouped_batch_without_numbers_is_plain_ce(kind):
+    """A micro-batch with no number target (a stretch of prose) has no digit slot: the
+    slots' set gather of [0, 10, W] members ran into view(0, -1) and crashed training."""
+    gen = torch.Generator().manual_seed(4)
+    others = torch.tensor(GROUPED_OTHER_IDS)
+    labels = others[torch.randint(len(others), (2, 12), generator=gen)]
+    logits = torch.randn(2, 12, GROUPED_VOCAB_SIZE, generator=gen, dtype=torch.float64)
+    logits.requires_grad_(True)
+    out = numeric_loss(logits, labels, make_grouped_vocab(), NumericLossConfig(kind=kind))
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    assert out.stats["digits"].item() == 0 and out.numeric.item() == 0.0
+    assert_close(out.loss, ce, atol=1e-12, what="loss")
+    out.loss.backward()
+    assert torch.isfinite(logits.grad).all()
