@@ -105,7 +105,7 @@ def test_a_second_job_into_a_running_jobs_output_is_refused_on_every_rank(
     out = tmp_path / "run"
     shutil.copytree(saved, out)
     first = subprocess.Popen(
-        [*one_process(out, synth_tokenizer, synth_shards, "train.steps=400"), "--resume", "auto"],
+        [*one_process(out, synth_tokenizer, synth_shards, "train.steps=100000"), "--resume", "auto"],
         env=torchrun_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -127,14 +127,14 @@ def test_a_second_job_into_a_running_jobs_output_is_refused_on_every_rank(
                     out,
                     synth_tokenizer,
                     synth_shards,
-                    "train.steps=400",
+                    "train.steps=100000",
                 ),
                 "--resume",
                 "auto",
             ],
             DEL_USER_ERROR_DIR=str(errors),
         )
-        assert second.returncode != 0
+        assert second.returncode != 0, second.stderr[-3000:] + second.stdout[-2000:]
         expected = (
             f"being written by another process (host {socket.gethostname()}, pid {first.pid})"
         )
