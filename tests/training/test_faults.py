@@ -57,6 +57,11 @@ def run(cmd, **env) -> subprocess.CompletedProcess:
     )
 
 
+# far more steps than either job can train before the test ends (a slow start of the second
+# job must still find the first running)
+LONG_RUN = "train.steps=100000"
+
+
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("del-train: error")]
 
@@ -105,7 +110,7 @@ def test_a_second_job_into_a_running_jobs_output_is_refused_on_every_rank(
     out = tmp_path / "run"
     shutil.copytree(saved, out)
     first = subprocess.Popen(
-        [*one_process(out, synth_tokenizer, synth_shards, "train.steps=100000"), "--resume", "auto"],
+        [*one_process(out, synth_tokenizer, synth_shards, LONG_RUN), "--resume", "auto"],
         env=torchrun_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -127,7 +132,7 @@ def test_a_second_job_into_a_running_jobs_output_is_refused_on_every_rank(
                     out,
                     synth_tokenizer,
                     synth_shards,
-                    "train.steps=100000",
+                    LONG_RUN,
                 ),
                 "--resume",
                 "auto",
