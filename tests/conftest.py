@@ -144,6 +144,18 @@ def synth_shards(synth_corpus, synth_tokenizer, tmp_path_factory) -> Path:
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves os.environ as it found it: code under test writes RANK, WORLD_SIZE and
+    LOCAL_RANK into it (parallel.init_distributed), and a value left behind reaches every
+    later test's subprocesses (SLURM jobs ran at world size 16 after a device-binding test)."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def gsm8k_train() -> Path:
     """GSM8K train (MIT), beside the checkout in ../shared; tests using it skip without it."""

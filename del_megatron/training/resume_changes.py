@@ -113,6 +113,7 @@ TABLE: dict[str, Rule] = {
     "parallel.tensor_parallel": _same("another layout, from the layout-free state"),
     "parallel.zero_stage": _same("another layout, from the layout-free state"),
     "parallel.sequence_parallel": _same("refused by the config itself"),
+    "parallel.collective_timeout_minutes": _same("how long a collective may wait, no value"),
     "optim.lr": Rule(Effect.RESTART_ONLY, "the peak of the schedule"),
     "optim.warmup_fraction": Rule(Effect.RESTART_ONLY, "the warmup of the schedule"),
     "optim.min_lr": Rule(Effect.SCHEDULE, "the floor of the schedule"),

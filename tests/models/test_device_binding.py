@@ -70,7 +70,11 @@ def test_deepspeed_binds_the_device_the_rank_is_on(monkeypatch, visible):
     monkeypatch.setattr(dist, "get_rank", lambda: 11)
     monkeypatch.setattr(dist, "get_world_size", lambda: 16)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+        # set first, so that monkeypatch restores them (absent) after the test: init_distributed
+        # writes them into os.environ itself, and a RANK or WORLD_SIZE left behind reaches every
+        # later test's subprocesses (SLURM jobs, torchrun, the README example)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     for name, value in {**SLURM_TASK, "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
     parallel.init_distributed(torch.device("cuda"), timeout_minutes=60)
