@@ -378,8 +378,10 @@ def experiment_main(argv: list[str]) -> int:
         "eval_every": a.eval_every,
     }
     protocol = replace(protocol, **{k: v for k, v in changes.items() if v is not None})
-    if "mle" not in protocol.kinds:
-        raise UserError("--kinds: the effects are differences to mle; include it")
+    from .task_report import BASELINE
+
+    if BASELINE not in protocol.kinds:
+        raise UserError(f"--kinds: the effects are differences to {BASELINE}; include it")
     root = a.root or Path("runs/numeric-tasks-ci" if a.ci else "runs/numeric-tasks")
     out = a.out or root / "report"
     started = time.monotonic()
