@@ -24,6 +24,7 @@ from ..distributed.launcher import ROOT
 pytestmark = pytest.mark.slow
 
 STEPS = 30
+EVERY_STEP = "train.log_interval=1"  # after the overrides' 10: the last value wins
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
@@ -182,7 +183,9 @@ def test_preemption_signal_to_the_batch_shell(
     synth_tokenizer, synth_shards, tmp_path, uninterrupted
 ):
     out = tmp_path / "run"
-    job, _ = sbatch(tmp_path, overrides(synth_tokenizer, synth_shards, out))
+    # a line every step: the signal goes out at step 3, not after the first flush at step 10
+    # with a third of the run left (a race the one-node signal lost once in CI)
+    job, _ = sbatch(tmp_path, overrides(synth_tokenizer, synth_shards, out, EVERY_STEP))
     wait_for_step(job, out, 3)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job.id], check=True)
     check_resumed_exactly(job, out, uninterrupted)
@@ -206,7 +209,9 @@ def rank_process(job: Job, rank: int) -> psutil.Process:
 
 def test_preemption_signal_to_one_node_only(synth_tokenizer, synth_shards, tmp_path, uninterrupted):
     out = tmp_path / "run"
-    job, _ = sbatch(tmp_path, overrides(synth_tokenizer, synth_shards, out))
+    # a line every step: the signal goes out at step 3, not after the first flush at step 10
+    # with a third of the run left (a race the one-node signal lost once in CI)
+    job, _ = sbatch(tmp_path, overrides(synth_tokenizer, synth_shards, out, EVERY_STEP))
     wait_for_step(job, out, 3)
     rank_process(job, 1).send_signal(signal.SIGUSR1)  # node n2's rank; rank 0 gets nothing
     check_resumed_exactly(job, out, uninterrupted)
