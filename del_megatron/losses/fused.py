@@ -13,7 +13,9 @@ gradient (float32 for half weights) are accumulated: three products in all, as m
 output layer + CE.
 
 Backward scales both by the incoming gradient when it is a multiple of the prediction (as it
-is for `loss`, `per_token.sum()` and any 0/1-masked sum of per_token, times any constant).
+is for `loss`, `per_token.sum()` and any 0/1-masked sum of per_token, times any constant):
+checked with one host read, or, when the caller promised such a multiple
+(`promise_scaled_loss`, the trainer's), with the factor and a device assertion on the device.
 Otherwise (another per-token weighting, EMO, whose weight is a ratio of sums over the whole
 micro-batch, or `recompute=True`) backward recomputes each chunk's logits and forms the
 gradient from the saved statistics, as before. No collective in backward; in a model the
@@ -100,25 +102,50 @@ def predicted_gradients(
     return grad_ce, grad_class
 
 
-def common_factor(got: list[torch.Tensor], predicted: list[torch.Tensor]) -> float | None:
-    """s with got == s * predicted, elementwise within 256 eps of the largest incoming value
-    (the rounding of the two ways of forming it), or None when there is no such s."""
+def _factor_parts(
+    got: list[torch.Tensor], predicted: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device: s, 0-dim float64, the least-squares factor of got ~ s * predicted (0
+    where predicted is all zero); and whether got == s * predicted elementwise within 256 eps
+    of the largest incoming value (the rounding of the two ways of forming it), 0-dim bool.
+    Non-finite values pass, as they did when this was read on the host: they reach the
+    gradients, and a step with a non-finite gradient is skipped."""
     got_flat = torch.cat([g.reshape(-1) for g in got]).double()
     pred_flat = torch.cat([p.reshape(-1) for p in predicted]).double()
-    if not got_flat.numel():
-        return 0.0
-    # everything on the device, one host read (a backward must not wait four times)
     norm = pred_flat.square().sum()
-    scale = got_flat.dot(pred_flat) / norm  # not finite when norm is 0: not used then
+    scale = torch.where(norm == 0, 0.0, got_flat.dot(pred_flat) / norm)
+    largest = got_flat.abs().max()
     residual = (got_flat - scale * pred_flat).abs().max()
-    norm, largest, scale, residual = torch.stack(
-        [norm, got_flat.abs().max(), scale, residual]
-    ).tolist()
-    if norm == 0.0:
-        return 0.0 if largest == 0.0 else None
-    eps = torch.finfo(got[0].dtype).eps
-    if residual > 256 * eps * largest:
-        return None
+    bound = 256 * torch.finfo(got[0].dtype).eps * largest
+    # a zero prediction takes only a zero gradient
+    holds = ~(residual > bound) & ((norm != 0) | (largest == 0))
+    return scale, holds
+
+
+def common_factor(got: list[torch.Tensor], predicted: list[torch.Tensor]) -> float | None:
+    """s with got == s * predicted (`_factor_parts`), or None when there is no such s. One
+    host read: the checked path, for a caller that promised nothing of the incoming gradient."""
+    if not sum(g.numel() for g in got):
+        return 0.0
+    scale, holds = _factor_parts(got, predicted)
+    scale, holds = torch.stack([scale, holds.double()]).tolist()  # one read, not two
+    return scale if holds else None
+
+
+def promised_factor(got: list[torch.Tensor], predicted: list[torch.Tensor]) -> torch.Tensor:
+    """`common_factor` without the host read, for a caller that promised got == s * predicted
+    (`promise_scaled_loss`): s as a 0-dim float64 tensor on the device, and the promise checked
+    by a device assertion (CUDA: raised at the next synchronisation; CPU: at once), so a
+    broken promise fails rather than hand over a wrong gradient."""
+    if not sum(g.numel() for g in got):
+        return torch.zeros((), dtype=torch.float64, device=got[0].device)
+    scale, holds = _factor_parts(got, predicted)
+    torch._assert_async(
+        holds,
+        "vocab_parallel_fused_numeric_loss: the incoming gradient is not one factor times the "
+        "loss' own (another weighting of per_token, or a second term on it), against "
+        "promise_scaled_loss=True; leave it False for such a backward",
+    )
     return scale
 
 
@@ -176,8 +203,9 @@ class _FusedParts(torch.autograd.Function):
         chunk,
         plan,
     ):
-        """plan: (TokenWeights, cfg, which gradients to form in forward: (hidden, weight))
-        or None to form none (recompute in backward, or no backward at all)."""
+        """plan: (TokenWeights, cfg, which gradients to form in forward: (hidden, weight),
+        whether the caller promised backward the loss' own gradient times one factor) or None
+        to form none (recompute in backward, or no backward at all)."""
         dtype = compute_dtype(hidden.dtype)
         rows = hidden.shape[0]
         local_columns = weight.shape[0]
@@ -204,7 +232,7 @@ class _FusedParts(torch.autograd.Function):
 
         grad_hidden = weight_grad = predicted = None
         if plan is not None:
-            weights, cfg, (form_hidden, form_weight) = plan
+            weights, cfg, (form_hidden, form_weight), promised = plan
             predicted = (
                 torch.zeros(rows, dtype=dtype, device=device),
                 torch.zeros_like(class_logits),
@@ -287,7 +315,7 @@ class _FusedParts(torch.autograd.Function):
             target_embedding,
         )
         ctx.owned, ctx.chunk = owned, chunk
-        ctx.formed = (predicted, grad_hidden, weight_grad) if plan is not None else None
+        ctx.formed = (predicted, grad_hidden, weight_grad, promised) if plan is not None else None
         ctx.consumed = False
         return ce, class_logits, target_is_max, emo
 
@@ -303,14 +331,17 @@ class _FusedParts(torch.autograd.Function):
         hidden, weight = ctx.saved_tensors[:2]
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         if formed is not None:
-            predicted, grad_hidden, weight_grad = formed
+            predicted, grad_hidden, weight_grad, promised = formed
             got = [grad_ce, grad_class] + ([grad_emo] if grad_emo.numel() else [])
             want = list(predicted) + ([torch.zeros_like(grad_emo)] if grad_emo.numel() else [])
-            factor = common_factor(got, want)
             formed_all = (grad_hidden is not None or not want_hidden) and (
                 weight_grad is not None or not want_weight
             )
-            if factor is not None and formed_all:
+            if promised and formed_all:  # no host read: the factor stays on the device
+                factor = promised_factor(got, want)
+                return _handover(hidden, weight, grad_hidden, weight_grad, factor)
+            factor = common_factor(got, want) if formed_all else None
+            if factor is not None:
                 return _handover(hidden, weight, grad_hidden, weight_grad, factor)
             # another weighting of the tokens: recompute, summing into the same buffer
             accumulator = weight_grad.zero_() if weight_grad is not None else None
@@ -383,14 +414,16 @@ def _recomputed(ctx, grad_ce, grad_class, grad_emo, want_hidden, want_weight, ac
     return grad_hidden, weight_grad
 
 
-def _handover(hidden, weight, grad_hidden, weight_grad, factor):
-    """The gradients, times `factor`, in the inputs' dtypes; see _weight_gradient."""
+def _handover(hidden, weight, grad_hidden, weight_grad, factor: float | torch.Tensor):
+    """The gradients, times `factor` (a number, or a 0-dim tensor on the device: never read
+    here), in the inputs' dtypes; see _weight_gradient."""
+    scaled = isinstance(factor, torch.Tensor) or factor != 1.0
     if grad_hidden is not None:
-        if factor != 1.0:
+        if scaled:
             grad_hidden.mul_(factor)
         grad_hidden = grad_hidden.to(hidden.dtype)
     if weight_grad is not None:
-        if factor != 1.0:
+        if scaled:
             weight_grad.mul_(factor)
         weight_grad = _weight_gradient(weight, weight_grad)
     return grad_hidden, weight_grad, *([None] * 9)
@@ -451,6 +484,7 @@ def vocab_parallel_fused_numeric_loss(
     cost_embedding: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     recompute: bool = False,
+    promise_scaled_loss: bool = False,
 ) -> NumericLossOutput:
     """`vocab_parallel_numeric_loss(hidden @ output_weight_shard.T, ...)` without the logits.
 
@@ -461,6 +495,12 @@ def vocab_parallel_fused_numeric_loss(
     (a model's `loss.fused_chunk_tokens: 0` comes here through `NumericLossHead`).
     recompute: form no gradient in forward (hold no float32 [V/tp, h] weight gradient from
     forward to backward) and make each chunk's logits again in backward: a fourth product.
+    promise_scaled_loss: the caller promises that backward gets the gradient of `loss`
+    (equally, of a 0/1-masked sum of `per_token` with the loss mask given here) times one
+    factor, as the trainer's `engine.backward(loss_sum * scale)` does. The gradient formed in
+    forward is then scaled on the device and the promise checked by a device assertion: no
+    host read. False (the default): backward reads once whether the incoming gradient is
+    such a multiple, and recomputes when it is not (any other use of the outputs).
     """
     cfg = cfg or NumericLossConfig()
     if hidden.dim() != 3:
@@ -492,7 +532,8 @@ def vocab_parallel_fused_numeric_loss(
     # prediction (one class per token, `token_weights`) does not carry: they recompute
     known = cfg.kind_spec.per_token_weights_known_in_forward and not vocab.grouped
     if torch.is_grad_enabled() and any(wanted) and not recompute and known:
-        plan = (token_weights(prepared, cfg, compute_dtype(hidden.dtype)), cfg, wanted)
+        weights = token_weights(prepared, cfg, compute_dtype(hidden.dtype))
+        plan = (weights, cfg, wanted, promise_scaled_loss)
     ce, class_logits, target_is_max, emo = _FusedParts.apply(
         hidden.reshape(seq * batch, width),
         output_weight_shard,

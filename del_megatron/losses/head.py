@@ -11,6 +11,9 @@ It owns what the loss needs beyond its inputs, so that nothing else has to:
 * the choice between the two ops (`fused`: `loss.fused_output`), the fused op's chunk size
   (`loss.fused_chunk_tokens`; 0 takes the op's one default, `fused.default_chunk_tokens`)
   and its `loss.fused_recompute` option.
+* whether its caller promises the fused op a backward of the loss' own gradient times one
+  factor (`promise_scaled_loss`: the trainer does), so that the op's backward reads nothing
+  from the device.
 
 It lives beside the ops (layer 2) rather than in models/: it needs nothing of megatron-core
 but the group it is handed, and both the megatron adapter (models/gpt.py) and the tests use
@@ -35,6 +38,9 @@ class NumericLossHead(torch.nn.Module):
 
     output_weight: this rank's output-layer rows [V/tp, h] at construction, from which EMO's
     cost embedding is taken (only read for a kind that has one).
+    promise_scaled_loss: backward through this head will be of the per-token losses' sum over
+    the loss mask (`models.gpt.loss_func`) times one factor; see
+    `vocab_parallel_fused_numeric_loss`. Where another weighting may follow, leave it False.
     """
 
     def __init__(
@@ -42,10 +48,13 @@ class NumericLossHead(torch.nn.Module):
         vocab: DigitVocab,
         cfg: NumericLossConfig,
         output_weight: torch.Tensor | None = None,
+        *,
+        promise_scaled_loss: bool = False,
     ):
         super().__init__()
         self.vocab = vocab
         self.cfg = cfg
+        self.promise_scaled_loss = promise_scaled_loss
         cost = None
         if cfg.kind_spec.needs_cost_embedding:
             if output_weight is None:
@@ -112,4 +121,5 @@ class NumericLossHead(torch.nn.Module):
             cost_embedding=self.emo_cost_embedding,
             chunk_tokens=self.chunk_tokens(hidden.device),
             recompute=self.cfg.fused_recompute,
+            promise_scaled_loss=self.promise_scaled_loss,
         )

@@ -17,16 +17,27 @@ class NumericLossGPTModel(GPTModel):
     `NumericLossOutput`: per-token losses [b, s] and statistics; `loss_func` turns it into
     megatron's (loss sum, token count, report). Without labels it returns megatron's logits
     [b, s, V/tp]. EMO's cost embedding is the head's buffer `head.emo_cost_embedding`.
+    promise_scaled_loss: backward will be of `loss_func`'s loss sum times one factor (the
+    trainer's); the head's fused op then makes no host read (`NumericLossHead`).
     """
 
-    def __init__(self, *args, digit_vocab: DigitVocab, loss_config: NumericLossConfig, **kwargs):
+    def __init__(
+        self,
+        *args,
+        digit_vocab: DigitVocab,
+        loss_config: NumericLossConfig,
+        promise_scaled_loss: bool = False,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         if self.config.mtp_num_layers is not None:
             raise ValueError("multi-token prediction is not supported with the numeric loss head")
         # the cost embedding (emo) is taken from the weights at construction; see
         # freeze_emo_cost_embedding for weights loaded afterwards
         weight = self.output_weight() if self.post_process else None
-        self.head = NumericLossHead(digit_vocab, loss_config, weight)
+        self.head = NumericLossHead(
+            digit_vocab, loss_config, weight, promise_scaled_loss=promise_scaled_loss
+        )
         self.register_load_state_dict_pre_hook(emo_buffer_saved_before_the_head)
 
     def output_weight(self) -> torch.Tensor:

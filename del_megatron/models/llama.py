@@ -72,12 +72,15 @@ def build_llama(
     *,
     seed: int,
     weights_follow: bool = False,
+    promise_scaled_loss: bool = False,
     **config_overrides: Any,
 ) -> NumericLossGPTModel:
     """A megatron-core GPTModel of `arch` whose loss is the numeric loss hook, built from
     `model_config` (seeded; no random init when `weights_follow`).
 
     Needs megatron's parallel state initialized (tensor parallel size taken from it).
+    promise_scaled_loss: the caller's backward is of `loss_func`'s loss sum times one factor
+    (the trainer's is): see `NumericLossGPTModel`.
     """
     tp = _tp_size()
     arch.check_tensor_parallel(tp)
@@ -96,6 +99,7 @@ def build_llama(
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         digit_vocab=digit_vocab,
         loss_config=loss_config,
+        promise_scaled_loss=promise_scaled_loss,
     )
     model = apply_device_shims(model, device)
     if any(p.is_meta for p in model.parameters()):

@@ -154,6 +154,9 @@ def build_model(cfg: RunConfig, device: torch.device, tokenizer) -> torch.nn.Mod
         device,
         seed=cfg.train.seed,
         weights_follow=initial is not None,
+        # train_step's backward is engine.backward(loss_sum * scale) of loss_func's sum:
+        # the fused loss's backward scales its gradient on the device, no host read
+        promise_scaled_loss=True,
         **recompute_overrides(device, cfg.train.activation_checkpointing),
     )
     initialize_weights(cfg, model, initial)

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from del_megatron import DigitVocab, NumericLossConfig, emo_cost_embedding
+from del_megatron.losses import fused as fused_op
 from del_megatron.losses import vocab_parallel_numeric_loss
 from del_megatron.losses.fused import common_factor, vocab_parallel_fused_numeric_loss
 
@@ -71,7 +72,9 @@ def reference(hidden, weight, labels, vocab, group, kind="del", weighting=None):
     return h.grad, w.grad
 
 
-def fused(hidden, weight, labels, vocab, group, kind="del", recompute=False, chunk=CHUNK):
+def fused(
+    hidden, weight, labels, vocab, group, kind="del", recompute=False, chunk=CHUNK, **options
+):
     cost = emo_cost_embedding(weight.detach()) if kind == "emo" else None
     return vocab_parallel_fused_numeric_loss(
         hidden,
@@ -83,6 +86,7 @@ def fused(hidden, weight, labels, vocab, group, kind="del", recompute=False, chu
         cost_embedding=cost,
         chunk_tokens=chunk,
         recompute=recompute,
+        **options,
     )
 
 
@@ -203,3 +207,56 @@ def test_second_backward_is_refused(group):
     out.loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph"):
         out.loss.backward()
+
+
+def mask_of(labels: torch.Tensor) -> torch.Tensor:
+    """A 0/1 loss mask [b, s] with about a third of the positions off."""
+    return (torch.rand(labels.shape, generator=torch.Generator().manual_seed(5)) > 0.3).float()
+
+
+@pytest.mark.parametrize("kind", ["del", "mixce", "ntl_was", "mle"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_promised_backward_equals_the_checked_one(group, kind, dtype, monkeypatch):
+    """`promise_scaled_loss` (the trainer's): the factor stays on the device instead of being
+    read, and the gradients are the checked backward's bit for bit (the same float64 factor,
+    applied the same way), with `.grad` absent or held; neither recomputes."""
+
+    def no_recompute(*args):
+        raise AssertionError("the loss' own gradient, scaled, was recomputed")
+
+    monkeypatch.setattr(fused_op, "_recomputed", no_recompute)
+    hidden, weight, labels, vocab = case(dtype)
+    mask = mask_of(labels)
+    for held in (False, True):
+        grads = []
+        for promise in (False, True):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            w.grad = torch.full_like(w, 0.5) if held else None
+            out = fused(
+                h, w, labels, vocab, group, kind, loss_mask=mask, promise_scaled_loss=promise
+            )
+            ((out.per_token * mask).sum() * 0.37).backward()  # loss_func's sum, then a scale
+            grads.append((h.grad, w.grad))
+        (checked_h, checked_w), (promised_h, promised_w) = grads
+        assert torch.equal(promised_h, checked_h) and torch.equal(promised_w, checked_w)
+
+
+@pytest.mark.parametrize("broken", ["second-term", "weighted", "statistic"])
+def test_a_broken_promise_fails_loudly(group, broken):
+    """An incoming gradient that is not the loss' own times one factor, under the promise:
+    backward raises (on CUDA the device assertion fires at the next synchronisation), rather
+    than hand over the scaled forward gradient. Without the promise the same backward
+    recomputes and gives the unfused op's gradients (test above this one's neighbours)."""
+    hidden, weight, labels, vocab = case(torch.float64)
+    mask = mask_of(labels)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused(h, w, labels, vocab, group, loss_mask=mask, promise_scaled_loss=True)
+    objective = (out.per_token * mask).sum()
+    if broken == "second-term":  # one token counted twice
+        objective = objective + out.per_token[0, 3]
+    elif broken == "weighted":
+        objective = (out.per_token * mask * torch.linspace(0.5, 2.0, labels.shape[1])).sum()
+    else:  # a statistic's gradient: the numeric term alone
+        objective = objective + out.numeric
+    with pytest.raises(RuntimeError, match="promise_scaled_loss"):
+        objective.backward()
