@@ -76,12 +76,16 @@ class Targets:
     numeric: torch.Tensor  # [R] bool, the digit positions (and counted decimal points)
     classes: torch.Tensor  # [R] long, their target class, 0 elsewhere (a legal index)
     weights: torch.Tensor  # [R] place weights u there (ones when place weighting is off), else 0
-    # Single-digit vocabularies: R = N, row r is token r (no selection, so no host wait).
-    # Grouped digits (losses/groups.py): one row per digit slot, R = n digits, `rows` [n] the
-    # token of each (a selection: one host wait per micro-batch for these vocabularies only),
-    # `slots` the sets each slot's ten class logits are made of.
-    rows: torch.Tensor | None = None
+    # Single-digit vocabularies: R = N, row r is token r.
+    # Grouped digits (losses/groups.py): R = N * m, row r is digit slot r % m of token r // m
+    # (masked past the token's digits); `slots` the sets each slot's ten class logits are
+    # made of. Neither selects rows, so neither waits for the device.
     slots: SlotSets | None = None
+
+    @property
+    def slots_per_token(self) -> int:
+        """m: rows of the digit terms per token (1 for single digits)."""
+        return 1 if self.slots is None else self.slots.offset.shape[1]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -165,13 +169,13 @@ def assemble(
 
     ce_per_token: [N] CE of every row (any value where not valid); class_logits: [N, K] of
     every row (any value off the digit positions: never read there, and given no gradient;
-    grouped digits: [N, U] raw logits of the number tokens); target_is_max: [N] bool;
+    grouped digits: [N, U] raw logits of the number tokens, made [N * m, 10] here);
+    target_is_max: [N] bool;
     emo_cost: [N] EMO transport cost (emo only).
     """
     dtype = ce_per_token.dtype
-    if targets.rows is not None:  # grouped digits: one row per digit slot
-        class_logits = class_logits.index_select(0, targets.rows)
-        target_is_max = target_is_max.index_select(0, targets.rows)
+    m = targets.slots_per_token
+    target_is_max = target_is_max.unsqueeze(1).expand(-1, m).flatten()  # each slot its token's
     class_logits = slot_class_logits(class_logits, targets.slots)
     valid = targets.valid.to(dtype)
     num_tokens = valid.sum()
@@ -210,10 +214,9 @@ def assemble(
         numeric = numeric_sum / numeric_count.clamp_min(1)
         # per_token carries alpha*u*l scaled so that per_token.sum() / tokens == loss.
         scale = alpha * token_denominator / numeric_count.clamp_min(1)
-        if targets.rows is None:
-            per_token = per_token + scale * weighted
-        else:  # a token's digit slots add up on its row
-            per_token = per_token.index_add(0, targets.rows, scale * weighted)
+        # a token's digit slots add up on its row, one slot after the other (m is 1 to 3)
+        for slot in (scale * weighted).view(-1, m).unbind(1):
+            per_token = per_token + slot
         loss = base_loss + alpha * numeric
     elif kind.objective is Objective.EMO:
         numeric_sum = (emo_cost * valid).sum()

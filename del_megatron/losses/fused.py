@@ -34,6 +34,7 @@ import torch.distributed as dist
 from .. import collectives
 from .assemble import NumericLossOutput, compute_dtype
 from .config import NumericLossConfig
+from .groups import SlotSets, slot_class_logits
 from .kinds import Objective, numeric_term
 from .vocab import DigitVocab
 from .vocab_parallel import (
@@ -60,33 +61,43 @@ def default_chunk_tokens(device: torch.device) -> int:
 @dataclass(frozen=True)
 class TokenWeights:
     """What the gradient of `per_token.sum()` with respect to the parts depends on, per row in
-    [s, b] order (N rows): known from the targets before any logit exists."""
+    [s, b] order (N rows, m digit slots a row: 1, or a grouped vocabulary's m): known from
+    the targets before any logit exists."""
 
     valid: torch.Tensor  # [N] compute dtype, 1 where the token counts
-    classes: torch.Tensor  # [N] long, their target class (0 elsewhere)
-    weight: torch.Tensor  # [N] u * alpha * tokens / numeric count at digit positions, else 0
+    classes: torch.Tensor  # [N, m] long, each slot's target class (0 elsewhere)
+    weight: torch.Tensor  # [N, m] u * alpha * tokens / numeric count at digit slots, else 0
+    slots: SlotSets | None  # grouped digits: each slot's sets, offset [N, m]; else None
 
 
 def token_weights(prepared: Prepared, cfg: NumericLossConfig, dtype: torch.dtype) -> TokenWeights:
     """The per-token factors of `assemble`'s per_token (docs/losses.md), rows in [s, b] order.
     Only a prediction: backward checks the incoming gradient against it."""
     targets, seq, batch = prepared.targets, prepared.seq, prepared.batch
+    m = targets.slots_per_token
     valid = to_sb(targets.valid, seq, batch).to(dtype)
-    classes = to_sb(targets.classes, seq, batch)
+    classes = to_sb(targets.classes.view(-1, m), seq, batch)
+    slots = targets.slots
+    if slots is not None:
+        slots = SlotSets(to_sb(slots.offset, seq, batch), slots.members, slots.valid)
     if cfg.kind_spec.digit_term is None:
-        return TokenWeights(valid, classes, torch.zeros_like(valid))
+        zero = torch.zeros(classes.shape, dtype=dtype, device=valid.device)
+        return TokenWeights(valid, classes, zero, slots)
     tokens = targets.valid.sum().to(dtype)
     numeric_count = targets.numeric.sum().to(dtype) if cfg.normalize == "digits" else tokens
     scale = cfg.resolved_alpha * tokens.clamp_min(1) / numeric_count.clamp_min(1)
-    weight = to_sb(targets.weights, seq, batch).to(dtype) * scale  # 0 off the digit positions
-    return TokenWeights(valid, classes, weight)
+    # 0 off the digit slots
+    weight = to_sb(targets.weights.view(-1, m), seq, batch).to(dtype) * scale
+    return TokenWeights(valid, classes, weight, slots)
 
 
 def predicted_gradients(
     ce: torch.Tensor, class_logits: torch.Tensor, rows: TokenWeights, cfg: NumericLossConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """d per_token.sum() / d (ce [c], class logits [c, K]) of a chunk's rows (`rows` sliced
-    to them): the incoming gradient of `loss`, up to one constant factor."""
+    to them): the incoming gradient of `loss`, up to one constant factor. Grouped digits:
+    class logits [c, U] of the number tokens, through their slots' set log-sum-exps, as
+    `assemble` forms them."""
     grad_ce = rows.valid
     if cfg.kind_spec.objective is Objective.MIXCE:
         # the weight eta + (1 - eta) sg(exp(-CE)) of each token
@@ -97,7 +108,8 @@ def predicted_gradients(
         # selecting the digit rows would wait for the device on every chunk
         with torch.enable_grad():
             z = class_logits.detach().requires_grad_()
-            term = numeric_term(z, rows.classes, cfg) * rows.weight
+            digit_logits = slot_class_logits(z, rows.slots)  # [c * m, K]
+            term = numeric_term(digit_logits, rows.classes.flatten(), cfg) * rows.weight.flatten()
             (grad_class,) = torch.autograd.grad(term.sum(), z)
     return grad_ce, grad_class
 
@@ -355,7 +367,10 @@ class _FusedParts(torch.autograd.Function):
 
 
 def _rows(weights: TokenWeights, c: slice) -> TokenWeights:
-    return TokenWeights(weights.valid[c], weights.classes[c], weights.weight[c])
+    slots = weights.slots
+    if slots is not None:
+        slots = SlotSets(slots.offset[c], slots.members, slots.valid)
+    return TokenWeights(weights.valid[c], weights.classes[c], weights.weight[c], slots)
 
 
 def _recomputed(ctx, grad_ce, grad_class, grad_emo, want_hidden, want_weight, accumulator):
@@ -528,9 +543,7 @@ def vocab_parallel_fused_numeric_loss(
     )
     wanted = (hidden.requires_grad, output_weight_shard.requires_grad)
     plan = None
-    # grouped digits (losses/groups.py) give a token several digit slots, which the forward
-    # prediction (one class per token, `token_weights`) does not carry: they recompute
-    known = cfg.kind_spec.per_token_weights_known_in_forward and not vocab.grouped
+    known = cfg.kind_spec.per_token_weights_known_in_forward
     if torch.is_grad_enabled() and any(wanted) and not recompute and known:
         weights = token_weights(prepared, cfg, compute_dtype(hidden.dtype))
         plan = (weights, cfg, wanted, promise_scaled_loss)

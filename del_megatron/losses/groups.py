@@ -5,12 +5,18 @@ number token d_0 .. d_{k-1}, digit slot j has the class logits
 z_d = logsumexp{ z_c : c in G_k, c[j] = d } (d = 0..9): the model's marginal of digit j
 among k-digit number tokens. The ops (reference, vocabulary-parallel, fused) see each number
 token as a class of its own (`DigitVocab.class_members`) and hand over its exact raw logit,
-[N, U]; this module turns the targets into one row per digit slot (the token's row, the
-slot's digit, the place weight of that digit in the whole number) and forms each slot's ten
-set log-sum-exps from its token's U logits (`slot_class_logits`, the (k, j, d) sets of
-`DigitVocab.slot_sets`, S = 10 * (1 + 2 + .. + m) of them); `assemble` then runs every digit
-term on [slots, 10] as it runs them on [digit positions, 10]. A single-digit vocabulary
-forced through here gives the single-digit numbers bit for bit (tests/losses/test_groups.py).
+[N, U]; this module turns the targets into m rows per token, one per digit slot (the slot's
+digit, the place weight of that digit in the whole number; a mask and weight 0 past the
+token's digits and off number tokens), and forms each slot's ten set log-sum-exps from its
+token's U logits (`slot_class_logits`, the (k, j, d) sets of `DigitVocab.slot_sets`,
+S = 10 * (1 + 2 + .. + m) of them); `assemble` then runs every digit term on [N * m, 10] as
+it runs them on [N, 10] for single digits. Fixed shapes, no selection of the slots: a
+selection's size depends on the labels, which a GPU tells the host only by waiting for it,
+once per micro-batch. The price: every token's m slots gather their sets' padded members,
+[N, m, 10, W] (W, the largest set, is 10^(m-1) for a full vocabulary: 3,000 values a
+token for m = 3, against V/tp logits a token).
+A single-digit vocabulary forced through here gives the single-digit numbers bit for bit
+(tests/losses/test_groups.py).
 """
 
 from __future__ import annotations
@@ -66,9 +72,10 @@ def grouped_targets(
     vocab_size: int,
     dtype: torch.dtype,
 ):
-    """`Targets` with one row per digit slot: valid, safe [..., s] (as `prepare_targets`
-    makes them). rows [n] repeat a token's row once per digit (n counts digits, not tokens);
-    classes [n] the slot's digit; weights [n] u(place); slots: its sets (`SlotSets`)."""
+    """`Targets` with m rows per token, row r slot r % m of token r // m: valid, safe [..., s]
+    (as `prepare_targets` makes them). numeric [N * m]: whether the slot is a digit of a
+    number token (j < its digit count); classes [N * m] the slot's digit, weights [N * m]
+    u(place), both 0 elsewhere; slots: each slot's sets (`SlotSets`)."""
     from .assemble import Targets  # assemble dispatches here: imported late
 
     if cfg.include_decimal_point:
@@ -82,27 +89,24 @@ def grouped_targets(
         weights = place_weights(place, cfg.place_slope, cfg.decimal_base, dtype)
     else:
         weights = torch.ones(place.shape, dtype=dtype, device=safe.device)
-    m = vocab.max_digits
-    index = is_slot.flatten().nonzero().squeeze(1)  # the one host read, as for single digits
-    rows = index // m
+    slot = torch.arange(vocab.max_digits, device=safe.device)
+    # a legal set (k = 0's) off the slots: gathered, never read, given no gradient
+    offset = torch.where(is_slot, slot_offset(count.unsqueeze(-1), slot), 0)
     return Targets(
         shape=valid.shape,
         valid=valid.flatten(),
         safe_labels=safe.flatten(),
-        numeric=torch.ones(rows.shape, dtype=torch.bool, device=safe.device),
-        classes=digit_table[safe].flatten()[index],
-        weights=weights.flatten()[index].to(dtype),
-        rows=rows,
-        slots=SlotSets(
-            slot_offset(count.flatten()[rows], index % m), *vocab.slot_sets(safe.device)
-        ),
+        numeric=is_slot.flatten(),
+        classes=torch.where(is_slot, digit_table[safe], 0).flatten(),
+        weights=torch.where(is_slot, weights, 0).flatten().to(dtype),
+        slots=SlotSets(offset.flatten(0, -2), *vocab.slot_sets(safe.device)),
     )
 
 
 class SlotSets(NamedTuple):
-    """Which set logits each digit slot row needs: offset [n] (its first set among the S),
-    and the sets' members as positions among the number tokens, members [S, W] long with
-    valid [S, W] bool (`DigitVocab.slot_sets`)."""
+    """Which set logits each digit slot needs: offset [N, m] (its first set among the S), and
+    the sets' members as positions among the number tokens, members [S, W] long with valid
+    [S, W] bool (`DigitVocab.slot_sets`)."""
 
     offset: torch.Tensor
     members: torch.Tensor
@@ -110,7 +114,7 @@ class SlotSets(NamedTuple):
 
 
 class _SetLogSumExp(torch.autograd.Function):
-    """members [n, 10, W] (padding masked by valid) -> their log-sum-exp [n, 10]; the gradient
+    """members [R, 10, W] (padding masked by valid) -> their log-sum-exp [R, 10]; the gradient
     spread by each member's share, as the ops spread a digit class's (so a single-digit
     vocabulary forced through here gives their numbers bit for bit)."""
 
@@ -127,16 +131,17 @@ class _SetLogSumExp(torch.autograd.Function):
 
 
 def slot_class_logits(class_logits: torch.Tensor, slots: SlotSets | None) -> torch.Tensor:
-    """The ten class logits of each digit slot [n, 10], from the raw logits of the number
-    tokens at its position [n, U] (the ops' class logits for a grouped vocabulary): the
-    log-sum-exp of each (k, j, d) set. None (single-digit vocabularies): as given."""
+    """The ten class logits of each digit slot [N * m, 10] (rows as `grouped_targets`'), from
+    the raw logits of the number tokens at each token [N, U] (the ops' class logits for a
+    grouped vocabulary): the log-sum-exp of each (k, j, d) set. None (single-digit
+    vocabularies): as given."""
     if slots is None:
         return class_logits
-    sets = slots.offset.unsqueeze(1) + torch.arange(10, device=slots.offset.device)  # [n, 10]
-    members, valid = slots.members[sets], slots.valid[sets]  # [n, 10, W]
-    # flatten, not view(rows, -1): a micro-batch without a number has rows = 0
+    sets = slots.offset.unsqueeze(-1) + torch.arange(10, device=slots.offset.device)
+    members, valid = slots.members[sets], slots.valid[sets]  # [N, m, 10, W]
+    # flatten, not view(N, -1): a micro-batch of no token has N = 0
     gathered = class_logits.gather(1, members.flatten(1)).view(members.shape)
-    return _SetLogSumExp.apply(gathered, valid)
+    return _SetLogSumExp.apply(gathered.flatten(0, 1), valid.flatten(0, 1))
 
 
 def target_is_max_of_rows(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

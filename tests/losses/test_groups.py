@@ -189,3 +189,36 @@ def test_grouped_batch_without_numbers_is_plain_ce(kind):
     assert_close(out.loss, ce, atol=1e-12, what="loss")
     out.loss.backward()
     assert torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("kind", ["del", "ntl_was", "dist2", "mixce"])
+def test_grouped_fused_op_hands_over_the_gradient_formed_in_forward(kind, group, monkeypatch):
+    """The fused op forms a grouped vocabulary's gradient in forward (its prediction goes
+    through the slots' set log-sum-exps as `assemble` does) and hands it over for the loss,
+    scaled, with and without the caller's promise: no recompute, the unfused op's gradients
+    within 1e-10 (float64). Before, grouped vocabularies always recomputed (a fourth product)."""
+    from del_megatron.losses import fused as fused_op
+    from del_megatron.losses import vocab_parallel_numeric_loss
+
+    def no_recompute(*args):
+        raise AssertionError("recomputed")
+
+    monkeypatch.setattr(fused_op, "_recomputed", no_recompute)
+    cfg = NumericLossConfig(kind=kind)
+    vocab = make_grouped_vocab()
+    labels, mask = make_grouped_batch(2, 30, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(30, 2, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(GROUPED_VOCAB_SIZE, 8, generator=gen, dtype=torch.float64)
+    shard = (hidden @ weight.T).requires_grad_()
+    unfused = vocab_parallel_numeric_loss(shard, labels, vocab, cfg, mask, group)
+    (unfused.loss * 0.6).backward()
+    want_h, want_w = shard.grad @ weight, shard.grad.flatten(0, 1).T @ hidden.flatten(0, 1)
+    for promise in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fused_op.vocab_parallel_fused_numeric_loss(
+            h, w, labels, vocab, cfg, mask, group, chunk_tokens=7, promise_scaled_loss=promise
+        )
+        (out.loss * 0.6).backward()
+        assert_close(h.grad, want_h, atol=1e-10, what=f"grad hidden, promise={promise}")
+        assert_close(w.grad, want_w, atol=1e-10, what=f"grad weight, promise={promise}")

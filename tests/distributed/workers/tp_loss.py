@@ -263,7 +263,9 @@ def check_grouped(rank, world):
     """Grouped digits (number tokens of 1..3 digits, tests/losses/batches.py): the unfused
     and the fused op on vocabulary shards equal the single-device reference (itself equal to
     the float64 loop oracle, tests/losses/test_groups.py; checked here too, float64 digits
-    kinds), values, statistics and gradients, float64 within 1e-10 and float32 within 1e-5."""
+    kinds), values, statistics and gradients, float64 within 1e-10 and float32 within 1e-5;
+    the fused op both recomputing (per_token weighted) and handing over the gradient it
+    formed in forward (the loss, scaled, under `promise_scaled_loss`)."""
     from del_megatron.losses.fused import vocab_parallel_fused_numeric_loss
     from tests.losses.batches import (
         GROUPED_POINT_IDS,
@@ -308,8 +310,9 @@ def check_grouped(rank, world):
                 case = f"grouped/{kind}/{normalize}/{dtype}"
                 compare(case, out, ref, shard.grad, grad_ref, atol)
 
-                # fused, chunks of 7 rows (38 tokens: the last chunk short); the formed-in-
-                # forward way is off for grouped vocabularies, so both objectives recompute
+                # fused, chunks of 7 rows (38 tokens: the last chunk short); per_token weighted
+                # by arbitrary values: the gradient formed in forward is not a multiple of the
+                # incoming one, so the checked backward recomputes
                 h = hidden.clone().requires_grad_()
                 w = weight[mine].clone().requires_grad_()
                 fused = vocab_parallel_fused_numeric_loss(
@@ -327,6 +330,27 @@ def check_grouped(rank, world):
                 assert_close(
                     grad_h, ref_h.grad.transpose(0, 1), atol=atol, rtol=atol,
                     what=f"fused {case} grad hidden",
+                )  # fmt: skip
+                # the loss' own gradient, scaled (the trainer's backward): formed in forward
+                # through the slots' set log-sum-exps and handed over; under the promise a
+                # prediction that missed would raise instead of recomputing
+                h = hidden.clone().requires_grad_()
+                w = weight[mine].clone().requires_grad_()
+                fused = vocab_parallel_fused_numeric_loss(
+                    h, w, labels, vocab, cfg, mask, group, cost_embedding=cost[mine],
+                    chunk_tokens=7, promise_scaled_loss=True,
+                )  # fmt: skip
+                (fused.loss * 1.7).backward()
+                ref_h = hidden.transpose(0, 1).clone().requires_grad_()
+                ref_w = weight.clone().requires_grad_()
+                ref3 = numeric_loss(ref_h @ ref_w.T, labels, vocab, cfg, mask, cost_embedding=cost)
+                (ref3.loss * 1.7).backward()
+                grad_h = h.grad.clone()
+                dist.all_reduce(grad_h)
+                compare(f"fused own {case}", fused, ref3, w.grad, ref_w.grad[mine], atol)
+                assert_close(
+                    grad_h, ref_h.grad.transpose(0, 1), atol=atol, rtol=atol,
+                    what=f"fused own {case} grad hidden",
                 )  # fmt: skip
                 if dtype == torch.float64 and kind in GROUPED_KINDS[:6]:
                     loss = grouped_loop_loss(
