@@ -10,7 +10,8 @@ measured side by side in one run:
 * megatron: its ColumnParallelLinear output layer, then `vocab_parallel_cross_entropy`;
 * hook: the same output layer, then `vocab_parallel_numeric_loss` (kind=del) on the logits;
 * fused: `copy_to_tensor_model_parallel_region` (the output layer's input path) into
-  `vocab_parallel_fused_numeric_loss` (kind=del), the gradient formed in forward;
+  `vocab_parallel_fused_numeric_loss` (kind=del), the gradient formed in forward and scaled
+  on the device (`promise_scaled_loss`, as the trainer runs it);
 * fused-recompute: the same with `recompute=True` (logits made again in backward);
 * compiled (TP 1 only, where torch.compile runs): `torch.compile` of the unfused path
   (hidden @ W^T, then F.cross_entropy).
@@ -137,9 +138,11 @@ def step_fn(path, layer, hidden, labels, vocab, chunk):
         def run():
             x = hidden.detach().requires_grad_()
             h = tensor_parallel.copy_to_tensor_model_parallel_region(x)
+            # the trainer's promise: backward is the loss' own gradient, scaled (no host read)
             out = vocab_parallel_fused_numeric_loss(
-                h, layer.weight, labels, vocab, cfg, chunk_tokens=chunk, recompute=recompute
-            )
+                h, layer.weight, labels, vocab, cfg, chunk_tokens=chunk, recompute=recompute,
+                promise_scaled_loss=True,
+            )  # fmt: skip
             (out.loss * labels.numel()).backward()
             finish()
 

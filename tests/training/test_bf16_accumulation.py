@@ -141,9 +141,11 @@ class OutputLayerLoss(torch.nn.Module):
 
     def forward(self, hidden, labels):
         if self.fused:
+            # engine.backward(loss), the trainer's promise: scaled on the device, no host read
             out = vocab_parallel_fused_numeric_loss(
-                hidden, self.weight, labels, self.vocab, self.cfg, group=self.group, chunk_tokens=8
-            )
+                hidden, self.weight, labels, self.vocab, self.cfg, group=self.group,
+                chunk_tokens=8, promise_scaled_loss=True,
+            )  # fmt: skip
         else:
             logits = hidden @ self.weight.T
             out = vocab_parallel_numeric_loss(

@@ -2,13 +2,15 @@
 
 `train` (the real loop: the streaming loader, train_step, periodic evaluation, checkpoints,
 the final evaluation) runs 4 steps, then a second `train` resumes from the step-4 checkpoint
-to step 6, all under `tests/distributed/residency.Residency`, which tells the tensors a GPU
-run would hold in host memory from those on the device. Each rank writes what it saw to
+to step 6 with the loss of `resume_kind` (`del+fused`: the fused output layer, whose
+backward the trainer promises to be its loss' own, scaled), all under
+`tests/distributed/residency.Residency`, which tells the tensors a GPU run would hold in
+host memory from those on the device. Each rank writes what it saw to
 OUT.rank<r>.json: violations (a host tensor at a collective, host and device tensors mixed
 in an op) and the host synchronisations our code made in each phase (each train_step call,
 evaluation, checkpoint, reporter flush).
 
-argv: tokenizer manifest kind out
+argv: tokenizer manifest kind out [resume_kind, default kind]
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def config(tokenizer: str, manifest: str, kind: str, out: str, steps: int):
 
 def main() -> None:
     tokenizer, manifest, kind, out = sys.argv[1:5]
+    resume_kind = sys.argv[5] if len(sys.argv) > 5 else kind
     from del_megatron.data import StreamingLoader
     from del_megatron.training import checkpoint, trainer
     from del_megatron.training.metrics import Reporter
@@ -85,7 +88,7 @@ def main() -> None:
     run_dir = str(Path(out).parent / "run")
     with residency:
         first = trainer.train(config(tokenizer, manifest, kind, run_dir, 4))
-        second = trainer.train(config(tokenizer, manifest, kind, run_dir, 6), resume="auto")
+        second = trainer.train(config(tokenizer, manifest, resume_kind, run_dir, 6), resume="auto")
     rank = dist.get_rank()
     report = {
         "violations": residency.violations,
