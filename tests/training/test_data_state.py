@@ -24,6 +24,17 @@ from .test_bad_input import fake_checkpoint, setup, with_optimizer_files  # noqa
 DP = 3  # the saved data-parallel size: the list form's entries differ from the record's ranks
 
 
+def assert_data_state_record(checkpoint_dir: Path, *, dp_size: int) -> None:
+    """A checkpoint a real run wrote holds the data state as one record: the segment with its
+    taken sets once, then one record per data-parallel rank, in rank order."""
+    record = json.loads((checkpoint_dir / "data_state.json").read_text())
+    assert record["version"] == 3 and record["dp_size"] == dp_size
+    assert [rank["dp_rank"] for rank in record["ranks"]] == list(range(dp_size))
+    assert record["segment"]["taken"] is not None
+    saved = checkpoint.data_state(checkpoint_dir)
+    assert saved is not None and all(rank.workers for rank in saved.ranks)
+
+
 def resharded_loaders(manifest: Path) -> list[StreamingLoader]:
     """DP loaders a few batches into a segment that follows a change of layout (2 -> DP):
     the segment has taken sets, and every worker a position."""
