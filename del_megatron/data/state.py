@@ -253,7 +253,7 @@ def read_saved(states: Any) -> SavedState | None:
             f"data_state.json has no data-loader state of data-parallel rank {missing[0]} "
             f"(of {dp_size}): the checkpoint is incomplete; resume from another"
         )
-    segment = saved[min(saved)].segment  # with its taken sets: rank 0's (None: version 1)
+    segment = saved[0].segment  # with its taken sets: rank 0's (None: version 1)
     return SavedState(tuple(replace(saved[r], segment=segment) for r in range(dp_size)))
 
 
