@@ -107,6 +107,18 @@ def all_gather_object(obj: Any, *, group: dist.ProcessGroup | None = None) -> li
     return gathered
 
 
+def gather_object(obj: Any, *, group: dist.ProcessGroup | None = None) -> list | None:
+    """Every rank's picklable `obj`, in rank order, on the group's first rank (None on the
+    others): what one rank writes, without a copy on every rank. On NCCL, torch stages the
+    pickles on the current CUDA device, as all_gather_object."""
+    if _alone(group):
+        return [obj]
+    first = dist.get_rank(group) == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if first else None
+    dist.gather_object(obj, gathered, group=group, group_dst=0)
+    return gathered
+
+
 def barrier(*, group: dist.ProcessGroup | None = None) -> None:
     if not _alone(group):
         dist.barrier(group=group)

@@ -112,6 +112,7 @@ def test_alone_the_collectives_are_identities():
     assert collectives.all_reduce(t) is t
     assert collectives.all_gather(t) == [t]
     assert collectives.all_gather_object({"a": 1}) == [{"a": 1}]
+    assert collectives.gather_object({"a": 1}) == [{"a": 1}]
     collectives.barrier()
 
 
@@ -123,7 +124,7 @@ def test_the_switch_issues_every_collective_on_a_one_rank_group(group, monkeypat
     from del_megatron.losses import vocab_parallel_numeric_loss
 
     calls = []
-    for name in ("all_reduce", "all_gather", "all_gather_object", "barrier"):
+    for name in ("all_reduce", "all_gather", "all_gather_object", "gather_object", "barrier"):
         original = getattr(dist, name)
 
         def counted(*args, name=name, original=original, **kwargs):
@@ -140,6 +141,7 @@ def test_the_switch_issues_every_collective_on_a_one_rank_group(group, monkeypat
         assert collectives.all_reduce(t, group=group) is t and t.tolist() == [0.0, 1.0, 2.0]
         assert [p.tolist() for p in collectives.all_gather(t, group=group)] == [t.tolist()]
         assert collectives.all_gather_object({"a": 1}, group=group) == [{"a": 1}]
+        assert collectives.gather_object({"a": 1}, group=group) == [{"a": 1}]
         collectives.barrier(group=group)
         cfg = NumericLossConfig()
         return vocab_parallel_numeric_loss(logits, labels, vocab, cfg, group=group).loss.item()
@@ -149,5 +151,7 @@ def test_the_switch_issues_every_collective_on_a_one_rank_group(group, monkeypat
     monkeypatch.setenv(collectives.ON_ONE_RANK, "1")
     assert issue() == without
     assert (
-        calls == ["all_reduce", "all_gather", "all_gather_object", "barrier"] + ["all_reduce"] * 2
+        calls
+        == ["all_reduce", "all_gather", "all_gather_object", "gather_object", "barrier"]
+        + ["all_reduce"] * 2
     )

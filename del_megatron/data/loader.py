@@ -256,16 +256,17 @@ class StreamingLoader:
         if taken is None:
             raise DataError(
                 "this data-loader state keeps its taken documents with data-parallel rank 0's: "
-                "resume from the list of every rank's state (StreamingLoader.resume)"
+                "resume from the checkpoint's whole data state (StreamingLoader.resume)"
             )
         self.segment = Segment.from_saved(state.segment, decode_taken(taken, self.manifests))
 
     # ---- resume -----------------------------------------------------------------------
 
-    def resume(self, states: list[dict[str, Any] | None]) -> str:
-        """Continue from a checkpoint's per-rank states (data_state.json: one per global rank,
-        tensor-parallel peers alike) whatever layout and data mix they were saved with.
-        Returns one line saying what changed ('' when nothing did)."""
+    def resume(self, states: Any) -> str:
+        """Continue from a checkpoint's data state (data_state.json as state.read_saved reads
+        it: the one record, or the list of per-rank states written before it; or its
+        SavedState) whatever layout and data mix it was saved with. Returns one line saying
+        what changed ('' when nothing did)."""
         saved = read_saved(states)
         if saved is None:
             return ""

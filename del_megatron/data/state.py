@@ -1,15 +1,18 @@
 """The loader's saved state: its format, the versions read, and the refusals.
 
-A checkpoint's data_state.json is a list of per-rank states (one per global rank; tensor-
-parallel peers save the same one). A state says what the training loop consumed: per loader
+A rank's state (StreamingLoader.state_dict) says what the training loop consumed: per loader
 worker its stream's position (stream.py), plus the segment (the taken sets at its start,
-cursor.py), the mix and the settings the positions are relative to. Everything here is plain
-data (JSON, torch.load weights_only) and pure.
+cursor.py), the mix and the settings the positions are relative to. A checkpoint's
+data_state.json (saved_file, FILE_VERSION 3) holds what is the same on every rank once (the
+layout, mix, settings and segment with its taken sets) and one record per data-parallel rank
+(rank_record); before it, it was the list of every global rank's state (tensor-parallel peers
+alike), which read_saved reads too. Everything here is plain data (JSON, torch.load
+weights_only) and pure.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -42,8 +45,8 @@ def version_refusal(version: Any) -> str:
 @dataclass(frozen=True)
 class SavedSegment:
     """The segment a state was saved in, as saved (Segment is the live one); taken: its taken
-    sets as text, per source of the saved mix (None in every rank's state but data-parallel
-    rank 0's, when not empty)."""
+    sets as text, per source of the saved mix (in a rank's state_dict(), None but in
+    data-parallel rank 0's when not empty; in a SavedState every rank holds rank 0's)."""
 
     number: int
     id: str
@@ -153,28 +156,37 @@ def resume_refusal(state: RankState, dp_size: int, num_workers: int, sources: in
 
 
 FILE_VERSION = 3  # data_state.json as one record: the segment once, a record per dp rank
+RANK_FIELDS = ("dp_rank", "consumed", "workers")  # what is each data-parallel rank's own
+NO_LOADER = {"version": FILE_VERSION, "ranks": []}  # a run fed by its caller (no loader)
 
 
-def saved_file(states: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """data_state.json from every global rank's state_dict() (tensor-parallel peers save the
-    same one): the layout, mix, settings and segment with its taken sets once, then one record
-    per data-parallel rank (its consumed batches and its workers' stream states). read_saved
-    reads it, and the list of per-rank states written before it."""
-    saved = read_saved(states)
-    if saved is None or saved.first.segment is None:
-        raise ValueError("saved_file takes the per-rank states this del-megatron's loader writes")
-    first = saved.first
+def rank_record(state: dict[str, Any]) -> dict[str, Any]:
+    """The part of a rank's state_dict() that is its own: its data-parallel rank, the batches
+    it consumed and its workers' stream states (the layout, mix, settings and segment are the
+    same on every rank; saved_file takes them once, from data-parallel rank 0's state)."""
+    return {name: state[name] for name in RANK_FIELDS}
+
+
+def saved_file(first: dict[str, Any] | None, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """data_state.json: the layout, mix, settings and the segment with its taken sets once,
+    from data-parallel rank 0's state_dict() `first`, then one record per data-parallel rank
+    (`records`: every rank's rank_record(), in rank order). first None: the run had no loader
+    (NO_LOADER). read_saved reads it, and the list of per-rank states written before it."""
+    if first is None:
+        return dict(NO_LOADER)
+    ranks = [rank_record(record) for record in records]
+    if first.get("version") != LOADER_STATE_VERSION or first["segment"]["taken"] is None:
+        raise ValueError("saved_file takes data-parallel rank 0's state_dict() of this loader")
+    if [rank["dp_rank"] for rank in ranks] != list(range(first["dp_size"])):
+        raise ValueError("saved_file takes one record per data-parallel rank, in rank order")
     return {
         "version": FILE_VERSION,
-        "dp_size": first.dp_size,
-        "num_workers": first.num_workers,
-        "mix": first.mix,
-        "settings": first.settings,
-        "segment": vars(saved.segment),
-        "ranks": [
-            {"dp_rank": rank.dp_rank, "consumed": rank.consumed, "workers": rank.workers}
-            for rank in saved.ranks
-        ],
+        "dp_size": first["dp_size"],
+        "num_workers": first["num_workers"],
+        "mix": first["mix"],
+        "settings": first["settings"],
+        "segment": first["segment"],
+        "ranks": ranks,
     }
 
 
@@ -198,6 +210,8 @@ def _read_file(saved: dict[str, Any]) -> SavedState:
         )
         if [rank.dp_rank for rank in ranks] != list(range(saved["dp_size"])):
             raise ValueError("ranks")
+        if segment.taken is None:
+            raise ValueError("taken")
     except (KeyError, TypeError, ValueError, AttributeError):
         raise DataError(
             "data_state.json: not a data-loader state this del-megatron reads (a field is "
@@ -208,11 +222,21 @@ def _read_file(saved: dict[str, Any]) -> SavedState:
 
 def read_saved(states: Any) -> SavedState | None:
     """data_state.json as one record per data-parallel rank, every rank of the saved layout
-    present (None: no states): a saved_file record, or the list of per-rank states (one per
-    global rank: tensor-parallel peers save the same one) written before it; one line for a
-    file that is not what we write."""
-    if isinstance(states, dict) and states.get("version") == FILE_VERSION:
-        return _read_file(states)
+    present (None: no loader state): a saved_file record, or the list of per-rank states (one
+    per global rank: tensor-parallel peers save the same one) written before it; one line for
+    a file that is not what we write. A SavedState is returned as it is (read already)."""
+    if isinstance(states, SavedState):
+        return states
+    if isinstance(states, dict) and "version" in states:
+        if states == NO_LOADER:
+            return None
+        if states["version"] == FILE_VERSION:
+            return _read_file(states)
+        raise DataError(
+            f"data_state.json has version {states['version']}, this del-megatron reads "
+            f"{FILE_VERSION} and the list of per-rank states before it: resume with the "
+            "del-megatron that wrote it"
+        )
     if not isinstance(states, list):
         raise DataError("data_state.json: not a list of per-rank data-loader states")
     saved: dict[int, RankState] = {}
@@ -229,14 +253,14 @@ def read_saved(states: Any) -> SavedState | None:
             f"data_state.json has no data-loader state of data-parallel rank {missing[0]} "
             f"(of {dp_size}): the checkpoint is incomplete; resume from another"
         )
-    return SavedState(tuple(saved[r] for r in range(dp_size)))
+    segment = saved[0].segment  # with its taken sets: rank 0's (None: version 1)
+    return SavedState(tuple(replace(saved[r], segment=segment) for r in range(dp_size)))
 
 
-def check_resumable(
-    states: list[dict[str, Any] | None], dp_size: int, num_workers: int, sources: int
-) -> None:
-    """The refusals StreamingLoader.resume would make for these saved per-rank states, made
-    before anything starts: preflight runs it, so a dry run catches them."""
+def check_resumable(states: Any, dp_size: int, num_workers: int, sources: int) -> None:
+    """The refusals StreamingLoader.resume would make for a saved data state (what read_saved
+    reads, or its SavedState), made before anything starts: preflight runs it, so a dry run
+    catches them."""
     saved = read_saved(states)
     for rank in saved.ranks if saved is not None else ():
         refusal = resume_refusal(rank, dp_size, num_workers, sources)

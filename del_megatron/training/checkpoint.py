@@ -20,7 +20,8 @@ import torch
 
 from .. import collectives
 from ..config import ConfigError, dump_run_config
-from ..data import StreamingLoader
+from ..data import DataError, StreamingLoader
+from ..data.state import SavedState, rank_record, read_saved, saved_file
 from ..errors import UserError, one_line
 from ..outputs import free_bytes, is_no_space, no_space
 from . import checkpoint_files, layout_free
@@ -109,9 +110,8 @@ def _write(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) ->
     rng = tmp / "rng"
     rng.mkdir(exist_ok=True)
     torch.save(rng_state(run.device), rng / f"rank{run.rank:05d}.pt")
-    states = collectives.all_gather_object(loader.state_dict() if loader is not None else None)
+    _save_data_state(run, tmp, loader)
     if run.is_main:
-        (tmp / "data_state.json").write_text(json.dumps(states))
         (tmp / "run_config.yaml").write_text(dump_run_config(run.cfg))
         meta = {
             "step": step,
@@ -199,6 +199,40 @@ def _save_layout_free(run: Any, directory: Path) -> dict[str, Any]:
             "skipped_steps": int(engine.skipped_steps),
         },
     )
+
+
+DATA_STATE = "data_state.json"
+
+
+def _save_data_state(run: Any, directory: Path, loader: StreamingLoader | None) -> None:
+    """data_state.json (data/state.py's saved_file): the segment with its taken sets once, from
+    data-parallel rank 0 (global rank 0, which writes the file), and one record per
+    data-parallel rank, gathered to it from the first tensor-parallel rank of each (its peers
+    hold the same state and send nothing): the bytes gathered grow with the data-parallel
+    size, not the tensor-parallel one, and no rank but the writer receives any."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return
+    state = loader.state_dict() if loader is not None else None
+    records = collectives.gather_object(
+        rank_record(state) if state is not None else None, group=run.dp_group
+    )
+    if run.is_main:
+        (directory / DATA_STATE).write_text(json.dumps(saved_file(state, records or [])))
+
+
+def data_state(path: Path) -> SavedState | None:
+    """A checkpoint's data state as typed records (data/state.py's read_saved: the one record
+    this del-megatron writes, or the list of per-rank states written before it; None: saved
+    without a loader). CheckpointError names the file and what is wrong with it."""
+    file = path / DATA_STATE
+    try:
+        return read_saved(json.loads(file.read_text()))
+    except DataError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file}: unreadable ({one_line(err)})") from None
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -338,12 +372,13 @@ def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
                 f"{path}: saved with model.{name}={saved[name]}, this run has {value} "
                 "(another architecture)"
             )
-    try:
-        states = json.loads((path / "data_state.json").read_text())
-        if not isinstance(states, list) or len(states) != meta.get("world_size"):
-            raise ValueError(f"{len(states)} states for {meta.get('world_size')} ranks")
-    except (OSError, ValueError, TypeError) as err:
-        raise CheckpointError(f"{path}/data_state.json: unreadable ({one_line(err)})") from None
+    loader_state = data_state(path)
+    saved_dp = loader_state.first.dp_size if loader_state is not None else None
+    if saved_dp is not None and meta.get("data_parallel", saved_dp) != saved_dp:
+        raise CheckpointError(
+            f"{path}/{DATA_STATE}: saved at data-parallel size {saved_dp}, meta.json says "
+            f"{meta['data_parallel']}: the files are of two checkpoints; resume from another"
+        )
     if meta.get("world_size") == world:
         for rank in range(world):
             rng = path / "rng" / f"rank{rank:05d}.pt"
@@ -404,8 +439,7 @@ def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
         except (OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as err:
             raise CheckpointError(f"{rng_path}: unreadable ({one_line(err)[:200]})") from None
     if loader is not None:
-        states = json.loads((path / "data_state.json").read_text())  # checked above
-        message = loader.resume(states)  # any layout and data mix: what changed, in a line
+        message = loader.resume(data_state(path))  # any layout and mix: what changed, a line
         if message and run.is_main:
             print(message, flush=True)
     return int(meta["step"])

@@ -3,7 +3,6 @@ tokenizer, initial weights, data manifests. Each failure is a ConfigError with o
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -49,9 +48,11 @@ def _resume_point(
         if path is not None:
             changes = resume_changes.review(path, cfg, resume, tokenizer=fingerprint)
             step = checkpoint.check(path, cfg, fingerprint, world)["step"]
-            states = json.loads((path / "data_state.json").read_text())  # checked: readable
             check_resumable(
-                states, cfg.data_parallel_size(world), cfg.data.num_workers, len(cfg.data.sources)
+                checkpoint.data_state(path),
+                cfg.data_parallel_size(world),
+                cfg.data.num_workers,
+                len(cfg.data.sources),
             )
             return step, changes.lines
     except checkpoint.CheckpointError as err:

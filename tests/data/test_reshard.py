@@ -31,7 +31,7 @@ from del_megatron.data import (
     trace,
 )
 from del_megatron.data.format import read_shard, resolve
-from del_megatron.data.state import check_resumable
+from del_megatron.data.state import check_resumable, saved_file
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ class Run:
 
     def __init__(self, trace_dir: Path) -> None:
         self.trace_dir = trace_dir
-        self.states: list[dict] | None = None
+        self.states: dict | None = None
         self.messages: list[str] = []
         self.batch_counts: list[int] = []
 
@@ -116,8 +116,8 @@ class Run:
         self.lost = [[next(it) for _ in range(lost)] for it in iterators]
         for it in iterators:
             it.close()
-        # tensor-parallel peers save the same state twice: data_state.json has one per rank
-        self.states = [s for s in states for _ in range(2)]
+        # as training/checkpoint.py saves them: the segment once, a record per rank
+        self.states = json.loads(json.dumps(saved_file(states[0], states)))
 
     def trained(self) -> Counter:
         """(manifest, epoch, shard, sample) -> tokens trained, from the trace."""
@@ -245,7 +245,7 @@ def test_slots_in_different_epochs_at_a_change_train_both_epochs_once(corpora, t
     run = Run(tmp_path)
     cfg = _cfg([(few, 1.0)], epochs=2)
     run.segment(cfg, 2, take=140)  # the slot with the smaller shard is into epoch 1 already
-    epochs = {s["workers"]["0"]["readers"][0]["epoch"] for s in run.states}
+    epochs = {s["workers"]["0"]["readers"][0]["epoch"] for s in run.states["ranks"]}
     assert epochs == {0, 1}
     run.segment(_cfg([(few, 1.0)], epochs=2, num_workers=2), 3, take=20)
     run.segment(cfg, 1, take=None)

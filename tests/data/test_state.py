@@ -76,7 +76,7 @@ def test_the_one_record_file_resumes_as_the_list_of_per_rank_states_does(synth_s
         for _ in range(3):
             next(batches)
     listed = [json.loads(json.dumps(loader.state_dict())) for loader in middle for _ in range(2)]
-    record = json.loads(json.dumps(saved_file(listed)))
+    record = json.loads(json.dumps(saved_file(listed[0], listed[::2])))
     assert len(json.dumps(record)) < len(json.dumps(listed)) / 2  # no copies
     check_resumable(record, 1, 0, 1)
     for dp_size in (3, 1):
@@ -87,3 +87,18 @@ def test_the_one_record_file_resumes_as_the_list_of_per_rank_states_does(synth_s
             assert a.state_dict() == b.state_dict()
             for x, y in zip(a, b, strict=True):
                 assert all(torch.equal(x[k], y[k]) for k in ("tokens", "labels", "loss_mask"))
+
+
+def test_a_data_state_of_another_file_version_is_one_line_naming_the_fix(synth_shards):
+    """A data_state.json of a later file version (a checkpoint of a newer del-megatron) is
+    refused in one line naming what to do, not read as a list of states."""
+    from del_megatron.data.state import FILE_VERSION, NO_LOADER, saved_file
+
+    cfg, states = _states(synth_shards)
+    record = saved_file(states[0], states)
+    assert read_saved(json.loads(json.dumps(saved_file(None, [])))) is None
+    assert saved_file(None, []) == NO_LOADER
+    for version in (FILE_VERSION + 1, 1):
+        with pytest.raises(DataError, match=f"version {version}, this del-megatron reads 3") as err:
+            StreamingLoader(cfg, 0, 1).resume({**record, "version": version})
+        assert "resume with the del-megatron that wrote it" in str(err.value)

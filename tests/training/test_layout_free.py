@@ -230,6 +230,7 @@ def test_every_shipped_vocabulary_is_stored_alike_and_loads_at_tp_1_2_4_8(config
 
 @pytest.mark.slow
 def test_del_train_resumes_at_another_tensor_parallel_size(tmp_path, synth_tokenizer, synth_shards):
+    from .test_data_state import assert_data_state_record
     from .test_resume import command, losses, run
 
     out = tmp_path / "run"
@@ -250,3 +251,6 @@ def test_del_train_resumes_at_another_tensor_parallel_size(tmp_path, synth_token
     )
     assert "at step 4" in proc.stdout
     assert sorted(losses(out)) == list(range(1, 9))
+    # the data state of TP 2 x DP 2 (tests/training/test_data_state.py): one record per
+    # data-parallel rank, gathered from tensor-parallel rank 0s over the data-parallel group
+    assert_data_state_record(out / "checkpoints" / "step-0000008", dp_size=2)

@@ -80,7 +80,7 @@ def start_and_wait(cmd, out: Path, *, step: int):
         if proc.poll() is not None:
             raise AssertionError(proc.stderr.read().decode()[-3000:])
         time.sleep(0.05)
-    proc.kill()
+    kill_hard(proc)  # the workers too: killing the launcher alone leaves them running
     raise AssertionError("the run did not reach the step in time")
 
 
