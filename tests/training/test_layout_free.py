@@ -99,8 +99,8 @@ def test_every_layout_loads_every_other_bit_for_bit(
     for i, name in enumerate(names[:-1]):  # the other direction: later layouts' checkpoints
         loads = [saved_layouts[n] for n in names[i + 1 :]]
         if i == 0:
-            # and its own through DeepSpeed's path, then a save: DeepSpeed's ZeRO 1/2 load
-            # unlinks the moments from the safe_get API (failed before ensure_adam_state)
+            # and its own: at the saved layout the layout-free state is read too (the
+            # checkpoint's one optimizer state), then a save
             loads.append(saved_layouts[name])
         run_layout(tmp_path, name, loads, i == 0, synth_tokenizer, synth_shards)
     for path in saved_layouts.values():

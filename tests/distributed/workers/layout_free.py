@@ -13,9 +13,10 @@ layout, zero masters and weights (made at the load).
 Bytes are counted on every rank: what the collectives of the layout-free save touch (every
 tensor handed to torch.distributed or DeepSpeed's collectives, outputs included) must be
 <= 1.1 x the rank's own slice of the state (12 bytes an element of its ZeRO range, tokenizer
-rows only); what a load at another layout reads of the state's tensors (a counting
-safetensors reader) must be <= 1.1 x the rank's new slice, and over all ranks <= 1.1 x the
-state (so the mean rank reads <= 1.1 x state / (TP x DP)).
+rows only), and the checkpoint <= 1.05 x (that state + model/'s weights); what a load
+reads of the state's tensors (a counting safetensors reader) must be <= 1.1 x the rank's new
+slice, and over all ranks <= 1.1 x the state (so the mean rank reads <= 1.1 x state /
+(TP x DP)).
 
 argv: OUT LOAD(comma-separated checkpoint dirs, or -) TRAIN(0|1) config_file override...
 Prints one "OK ..." line per check on rank 0.
@@ -291,11 +292,23 @@ def random_batches(run, step: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def assert_one_copy(path: Path) -> None:
+    """The checkpoint holds the optimizer state once: its bytes <= 1.05 x (the state's 12
+    bytes an element + model/'s weights)."""
+    files = [p for p in path.rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    weights = sum(p.stat().st_size for p in files if p.parent.name == "model")
+    ratio = total / (state_bytes(path) + weights)
+    assert ratio <= 1.05, f"{path}: {total} bytes, {ratio:.3f} x state + weights"
+    print(f"OK one copy: {total} bytes, {ratio:.4f} x (12 bytes an element + model/)")
+
+
 def assert_reads_are_slices(run, path: Path, read: int) -> None:
-    """At another layout, this rank read <= 1.1 x its new slice of the state's tensors,
-    all ranks together <= 1.1 x the state."""
+    """Where the load read the layout-free state (at another layout, or at the saved one
+    without DeepSpeed's), this rank read <= 1.1 x its new slice of the state's tensors, all
+    ranks together <= 1.1 x the state."""
     saved = checkpoint.saved_layout(json.loads((path / "meta.json").read_text()))
-    if not checkpoint.changed(saved, checkpoint.run_layout(run.cfg, run.world)):
+    if not checkpoint.reads_layout_free(path, saved, checkpoint.run_layout(run.cfg, run.world)):
         return
     mine, state = own_slice_bytes(run), state_bytes(path)
     assert read <= 1.1 * mine, f"rank {run.rank} read {read} bytes of {path}, its slice {mine}"
@@ -353,9 +366,13 @@ def main() -> None:
             f"rank {run.rank}: the layout-free save's collectives moved {sent[0]} bytes, its "
             f"slice is {mine}"
         )
-        most = max(collectives.all_gather_object(sent[0] / mine))
+        most = max(collectives.all_gather_object((sent[0] / mine, sent[0])))
         if run.is_main:
-            print(f"OK save collectives <= {most:.3f} x the rank's slice at {layout}")
+            print(
+                f"OK save collectives <= {most[0]:.5f} x the rank's slice ({most[1]} bytes) "
+                f"at {layout}"
+            )
+            assert_one_copy(saved)
         # padding made at a load stays zero through training: zero gradient, zero decay
         when = f"{saved} as saved at {layout}"
         assert_state_equals_files(run, saved, when, made_padding=made_padding)
