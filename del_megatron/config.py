@@ -89,9 +89,10 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(default=3, ge=0)
     """Keep the newest this many checkpoints (0: all)."""
     layout_free_checkpoints: bool = True
-    """Write the layout-free optimizer state (fp32 weights, Adam moments and steps per
-    parameter, 12 bytes a parameter) beside DeepSpeed's, so the checkpoint resumes at any
-    tensor-parallel, data-parallel and ZeRO layout (docs/checkpoints.md)."""
+    """Keep the optimizer state as the layout-free state (fp32 weights, Adam moments and
+    steps, 12 bytes a parameter, each rank writing its own ZeRO slice), which resumes at any
+    tensor-parallel, data-parallel and ZeRO layout (docs/checkpoints.md); false: DeepSpeed's
+    own state instead (16 bytes a parameter), which resumes at the saved layout only."""
     max_nonfinite_steps: int = Field(default=5, gt=0)
     """Stop after this many optimizer steps in a row with non-finite loss or gradients
     (each is skipped by the ZeRO optimizer: no update, no schedule step)."""

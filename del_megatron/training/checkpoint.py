@@ -69,15 +69,16 @@ def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> P
 
 def bytes_needed(run: Any, root: Path) -> int:
     """The bytes one more checkpoint takes: the newest complete one's size, else a lower
-    bound from the parameter count (weights in the training dtype, fp32 master and two
-    moments in DeepSpeed's state and again in the layout-free state)."""
+    bound from the parameter count (weights in the training dtype, and the fp32 master and
+    two moments: 12 bytes in the layout-free state, 16 in DeepSpeed's own, which holds the
+    fp32 weights once more)."""
     found = complete_checkpoints(root)
     if found:
         return sum(p.stat().st_size for p in found[-1].rglob("*") if p.is_file())
     params = [p for p in run.engine.module.parameters() if p.requires_grad]
     count = sum(getattr(p, "ds_numel", p.numel()) for p in params)
     count *= run.cfg.parallel.tensor_parallel
-    per = params[0].element_size() + 12 + (12 if run.cfg.train.layout_free_checkpoints else 0)
+    per = params[0].element_size() + (12 if run.cfg.train.layout_free_checkpoints else 16)
     return count * per
 
 
@@ -102,11 +103,16 @@ def _write(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) ->
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     collectives.barrier()
-    run.engine.save_checkpoint(
-        str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step}, save_latest=False
-    )
+    # one copy of the optimizer state: the layout-free one (read at every layout), or with
+    # train.layout_free_checkpoints=false DeepSpeed's own (read at the saved layout only)
+    if run.cfg.train.layout_free_checkpoints:
+        hashed = _save_layout_free(run, tmp)
+    else:
+        run.engine.save_checkpoint(
+            str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step}, save_latest=False
+        )
+        hashed = {}
     _save_weights(run, tmp)
-    hashed = _save_layout_free(run, tmp) if run.cfg.train.layout_free_checkpoints else {}
     rng = tmp / "rng"
     rng.mkdir(exist_ok=True)
     torch.save(rng_state(run.device), rng / f"rank{run.rank:05d}.pt")
@@ -317,8 +323,9 @@ def run_layout(cfg: Any, world: int) -> dict[str, Any]:
 
 
 def changed(saved: dict[str, Any], wanted: dict[str, Any]) -> bool:
-    """Whether DeepSpeed's per-rank state cannot serve `wanted` (an unrecorded ZeRO stage is
-    taken as unchanged: DeepSpeed itself then says whether its state loads)."""
+    """Whether `wanted` is another layout than the saved one, which DeepSpeed's per-rank
+    state cannot serve (an unrecorded ZeRO stage is taken as unchanged: DeepSpeed itself then
+    says whether its state loads)."""
     return any(
         saved[key] != wanted[key] for key in wanted if saved[key] is not None or key != "zero_stage"
     )
@@ -335,6 +342,22 @@ def describe(layout: dict[str, Any]) -> str:
 def how_to_run(layout: dict[str, Any], world: Any) -> str:
     zero = "" if layout["zero_stage"] is None else f" parallel.zero_stage={layout['zero_stage']}"
     return f"parallel.tensor_parallel={layout['tensor_parallel']}{zero} on {world} processes"
+
+
+def has_deepspeed_state(path: Path) -> bool:
+    """Whether the checkpoint holds DeepSpeed's own state (written before the layout-free
+    state became the one copy, or with train.layout_free_checkpoints=false)."""
+    return (path / DEEPSPEED_TAG).is_dir()
+
+
+def reads_layout_free(path: Path, saved: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether a resume at `wanted` reads the layout-free state: at another layout, and at
+    the saved one when it is the checkpoint's only optimizer state (DeepSpeed's, where
+    written, is read at its own layout: the checkpoints written before the layout-free state
+    was the one copy, or with train.layout_free_checkpoints=false)."""
+    if changed(saved, wanted):
+        return True
+    return layout_free.has_state(path) and not has_deepspeed_state(path)
 
 
 def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
@@ -384,16 +407,16 @@ def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
             rng = path / "rng" / f"rank{rank:05d}.pt"
             if not rng.is_file():
                 raise CheckpointError(f"{rng}: missing")
-    check_load_files(path, meta, changed(saved_layout(meta), wanted))
+    check_load_files(path, meta, reads_layout_free(path, saved_layout(meta), wanted))
     meta["step"] = step
     return meta
 
 
-def check_load_files(path: Path, meta: dict[str, Any], other_layout: bool) -> None:
+def check_load_files(path: Path, meta: dict[str, Any], layout_free_state: bool) -> None:
     """Every file the load will read, by size and header (training/checkpoint_files.py):
-    DeepSpeed's at the saved layout, the layout-free state's at another."""
+    the layout-free state's, or DeepSpeed's (`reads_layout_free`)."""
     try:
-        if other_layout:
+        if layout_free_state:
             needed = checkpoint_files.layout_free_files(layout_free.read_index(path))
         else:
             needed = checkpoint_files.deepspeed_files(meta)
@@ -416,16 +439,17 @@ def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
     meta = check(path, run.cfg, run.tokenizer.fingerprint, run.world)
     verify_contents(run, path)
     saved, wanted = saved_layout(meta), run_layout(run.cfg, run.world)
-    if changed(saved, wanted):
+    if reads_layout_free(path, saved, wanted):
         _load_layout_free(run, path)
+    else:
+        _load_deepspeed(run, path)
+    if changed(saved, wanted):
         if run.is_main:
             print(
                 f"resuming at {describe(wanted)} (saved at {describe(saved)}): fp32 weights, "
                 "Adam moments and steps and the schedule restored from the layout-free state",
                 flush=True,
             )
-    else:
-        _load_deepspeed(run, path)
     same_positions = all(saved[k] == wanted[k] for k in ("tensor_parallel", "data_parallel"))
     if not same_positions:
         seed_rng(derived_seed(run.cfg.train.seed, int(meta["step"]), run.dp_rank), run.device)
@@ -446,7 +470,7 @@ def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
 
 
 def _load_deepspeed(run: Any, path: Path) -> None:
-    """The same layout: DeepSpeed's own per-rank state, the fast path (bit-exact resume)."""
+    """DeepSpeed's own per-rank state, at its saved layout (bit-exact resume)."""
     try:
         loaded, _ = run.engine.load_checkpoint(
             str(path),
@@ -468,8 +492,9 @@ def _load_deepspeed(run: Any, path: Path) -> None:
 
 
 def _load_layout_free(run: Any, path: Path) -> None:
-    """Another layout: masters, moments and steps from optim/, the model's weights from the
-    masters, the schedule and the engine's counters from the index."""
+    """Masters, moments and steps from optim/ (at any layout, the saved one included), the
+    model's weights from the masters, the schedule and the engine's counters from the
+    index."""
     from megatron.core import parallel_state
 
     engine = run.engine

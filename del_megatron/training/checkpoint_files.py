@@ -86,16 +86,17 @@ def deepspeed_files(meta: dict[str, Any]) -> list[str]:
 
 
 def layout_free_files(optim_index: dict[str, Any]) -> list[str]:
-    """The layout-free state's files a resume at another layout reads (its index's writers at
-    every saved tensor-parallel rank)."""
+    """The layout-free state's files a resume at another layout reads: format 3, every file
+    a fragment of a parameter is in; formats 1 and 2, the index's writers at every saved
+    tensor-parallel rank; the buffers' writers at every saved tensor-parallel rank."""
     from . import layout_free
 
-    writers = {e["writer"] for e in [*optim_index["params"], *optim_index.get("buffers", [])]}
-    return [
-        f"{layout_free.OPTIM}/{layout_free.file_name(tp, dp)}"
-        for tp in range(int(optim_index["tensor_parallel"]))
-        for dp in sorted(writers)
-    ]
+    tensors = [*optim_index["params"], *optim_index.get("buffers", [])]
+    names = {f["file"] for e in tensors for f in e.get("fragments", [])}
+    writers = {e["writer"] for e in tensors if "writer" in e}
+    tp_size = int(optim_index["tensor_parallel"])
+    names |= {layout_free.file_name(tp, dp) for tp in range(tp_size) for dp in writers}
+    return [f"{layout_free.OPTIM}/{name}" for name in sorted(names)]
 
 
 # ---- sizes and headers --------------------------------------------------------------------

@@ -1,15 +1,18 @@
 """The layout-free optimizer state of a checkpoint: per parameter, the fp32 master weight and
-both Adam moments in the tensor-parallel rank's full (ZeRO-unpartitioned) shape, and Adam's
-step count, so that a run at any (tensor parallel, data parallel, ZeRO stage 1/2/3,
-accumulation) layout can load it (format: docs/checkpoints.md, "Layout-free state").
+both Adam moments of each tensor-parallel shard, written by every data-parallel rank as the
+flattened range of the shard its ZeRO partition holds, and Adam's step count, so that a run
+at any (tensor parallel, data parallel, ZeRO stage 1/2/3, accumulation) layout can load it
+(format: docs/checkpoints.md, "Layout-free state").
 
 ```
-optim/index.json                  the saved layout, every parameter's name, tensor-parallel
-                                  partition (dim, stride), Adam step and writing file; the
-                                  LR schedule's position and the engine's step counters
-optim/tpNN-dpMM.safetensors       float32 "<param>/fp32", "<param>/exp_avg",
-                                  "<param>/exp_avg_sq" of the parameters that data-parallel
-                                  rank MM of tensor-parallel rank NN wrote (every dp-th one)
+optim/index.json                  the saved layout; per parameter its name, tensor-parallel
+                                  partition (dim, stride), shard shape, tokenizer rows, Adam
+                                  step and fragments (tp rank, dp rank, start, stop, file);
+                                  the LR schedule's position and the engine's step counters
+optim/tpNN-dpMM.safetensors       1-D float32 "<param>/fp32", "<param>/exp_avg",
+                                  "<param>/exp_avg_sq": elements [start, stop) of the
+                                  flattened shard of tensor-parallel rank NN that
+                                  data-parallel rank MM holds; its buffers (dp rank 0)
 ```
 
 The vocabulary's tensors (embedding, output layer, EMO's cost embedding) are padded to a
@@ -17,20 +20,22 @@ multiple of make_vocab_size_divisible_by x tensor parallel, a number of rows tha
 between layouts: the state keeps only the tokenizer's rows (the model's vocab_size), so what
 is stored is the same whatever the layout, and a load makes the padding rows again, zero.
 
-Saving gathers one parameter at a time over the data-parallel group with DeepSpeed's
-`safe_get_full_*` API (ZeRO 1, 2 and 3 alike) and streams it into the owner's file, whose
-header is known in advance: no rank holds more than its ZeRO shard plus one parameter, and the
-data-parallel ranks of a tensor-parallel rank write their files in parallel. Loading reads,
-per parameter, the saved tensor-parallel shards (memory-mapped), merges them to the TP 1
-layout, splits out this rank's shard (models/sharding.py) and hands it to `safe_set_full_*`,
-which keeps this rank's ZeRO partition of it.
+Saving takes each rank's own fragments (training/fragments.py: no collective; one gather
+of the fragment table for the index) and streams them into its file (`snapshot`, then
+`write_pieces`, which takes host tensors only). Loading maps this rank's new ZeRO range of
+its new shard to runs of the saved shards (`flat_runs`, from `slice_plan` / `vocab_plan`),
+reads only those byte ranges of the fragments holding them (memory-mapped) and sets them
+into the optimizer's own range. Formats 1 and 2 (one file held each parameter's whole shard)
+are still read, through DeepSpeed's `safe_set_full_*`.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from bisect import bisect_right
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +46,14 @@ from ..errors import UserError, one_line
 from ..models.hf_names import padded_names
 from ..models.hf_tensors import canonical
 from ..models.sharding import merge, partition_of_param
+from . import fragments
 
 OPTIM = "optim"
 INDEX = "index.json"
-FORMAT = 2
-# format 1 (before 2026-12-01) kept the vocabulary's padding rows too: the same rows are read
-READS = (1, FORMAT)
+FORMAT = 3
+# format 1 (before 2026-12-01) kept the vocabulary's padding rows too: the same rows are read;
+# formats 1 and 2 stored each parameter's whole shard in one writer's file (`_load_shards`)
+READS = (1, 2, FORMAT)
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # "fp32": the master weight
 
 
@@ -56,12 +63,6 @@ class LayoutFreeError(UserError, RuntimeError):
 
 def file_name(tp_rank: int, dp_rank: int) -> str:
     return f"tp{tp_rank:02d}-dp{dp_rank:02d}.safetensors"
-
-
-def writer_of(index: int, dp_size: int) -> int:
-    """The data-parallel rank that writes parameter number `index` (round robin, so every
-    data-parallel rank writes about 1/dp of the bytes, in parallel)."""
-    return index % dp_size
 
 
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -241,6 +242,66 @@ def _write_tensor(handle, value: torch.Tensor) -> None:
 
 # ---- save -------------------------------------------------------------------------------
 
+# One rank's fragments as host tensors: (parameter name, start, stop, {key: [stop - start]})
+Pieces = list[tuple[str, int, int, dict[str, torch.Tensor]]]
+
+
+def _stored_numel(name: str, shape: tuple[int, ...], vocab: int, tp_rank: int) -> int:
+    """Elements of the flattened shard that are stored: a vocabulary tensor's rows are its
+    partition dim 0, so its tokenizer rows are a prefix of the flattened shard."""
+    return int(torch.Size(_stored_shape(name, shape, vocab, tp_rank)).numel())
+
+
+def snapshot(module: torch.nn.Module, *, tp_rank: int, vocab_size: int) -> Pieces:
+    """This rank's fragments of every trained parameter (`fragments.owned`, cut to the
+    stored elements), master and both moments, on the host: no collective. A replicated
+    parameter is kept by tensor-parallel rank 0's data-parallel ranks only (every
+    tensor-parallel rank holds the same). On CPU the tensors are the optimizer's own (no
+    copy); a write behind training would clone them here."""
+    out: Pieces = []
+    for name, param in trained_parameters(module):
+        span = fragments.owned(param)
+        if span is None or (partition_of_param(param) is None and tp_rank > 0):
+            continue
+        start = span[0]
+        stop = min(span[1], _stored_numel(name, full_shape(param), vocab_size, tp_rank))
+        if stop <= start:  # a range of padding rows only
+            continue
+        values = {
+            key: fragments.get(param, key)
+            .narrow(0, 0, stop - start)
+            .detach()
+            .to("cpu", torch.float32)
+            for key in KEYS
+        }
+        out.append((name, start, stop, values))
+    return out
+
+
+def write_pieces(
+    path: Path,
+    pieces: Pieces,
+    buffers: list[tuple[str, torch.Tensor]],
+    metadata: dict[str, str],
+) -> dict[str, Any]:
+    """One rank's file: every piece's keys as 1-D float32 tensors "<param>/<key>" (any
+    sub-range readable by byte range), then the `buffers` ("<name>/buffer", as shaped),
+    streamed; returns its size and SHA-256, hashed as written. Host tensors in, no
+    collective: the part of a save that could run behind training."""
+    entries = [
+        (f"{name}/{key}", (stop - start,)) for name, start, stop, _ in pieces for key in KEYS
+    ]
+    entries += [(f"{name}/{BUFFER}", tuple(b.shape)) for name, b in buffers]
+    with open(path, "wb") as raw:
+        handle = HashingWriter(raw)  # the checkpoint's files.json: no second read
+        handle.write(_header(entries, metadata))
+        for _, _, _, values in pieces:
+            for key in KEYS:
+                _write_tensor(handle, values[key])
+        for _, buffer in buffers:
+            _write_tensor(handle, buffer)
+    return handle.entry()
+
 
 def save(
     module: torch.nn.Module,
@@ -254,43 +315,35 @@ def save(
     vocab_size: int,
     extra: dict[str, Any],
 ) -> dict[str, dict[str, Any]]:
-    """Write this rank's part of `directory/optim/`. Every data-parallel rank must call it
-    (each gather is a collective of the data-parallel group); data-parallel rank 0 of
-    tensor-parallel rank 0 writes the index, with `extra` (schedule, counters) in it.
-    `vocab_size`: the model's (unpadded) vocabulary rows, the ones kept of its vocabulary
-    tensors. Returns {the file's path under `directory`: its size and SHA-256, hashed as
-    written}."""
+    """Write this rank's part of `directory/optim/`: its own fragments (no full-tensor
+    collective; one gather of the fragment table, a few bytes a parameter). Every rank must
+    call it; rank 0 (tensor- and data-parallel rank 0) writes the index, with `extra`
+    (schedule, counters) in it. `vocab_size`: the model's (unpadded) vocabulary rows, the
+    ones kept of its vocabulary tensors. Returns {the file's path under `directory`: its
+    size and SHA-256, hashed as written}."""
+    from .. import collectives
+
     out = directory / OPTIM
     out.mkdir(exist_ok=True)
     ensure_adam_state(zero)
     params = trained_parameters(module)
     steps = adam_steps(zero)
-    mine = [i for i in range(len(params)) if writer_of(i, dp_size) == dp_rank]
-    stored = [_stored_shape(n, full_shape(p), vocab_size, tp_rank) for n, p in params]
-    entries = [(f"{params[i][0]}/{key}", stored[i]) for i in mine for key in KEYS]
+    pieces = snapshot(module, tp_rank=tp_rank, vocab_size=vocab_size)
     # buffers are the same on every data-parallel rank: data-parallel rank 0 writes them
     buffers = [
-        (name, b, _stored_shape(name, tuple(b.shape), vocab_size, tp_rank))
+        (name, b.narrow(0, 0, _stored_shape(name, tuple(b.shape), vocab_size, tp_rank)[0]))
         for name, b in (saved_buffers(module) if dp_rank == 0 else [])
     ]
-    entries += [(f"{name}/{BUFFER}", shape) for name, _, shape in buffers]
-    metadata = {
-        "format": str(FORMAT),
-        "tensor_parallel_rank": str(tp_rank),
-        "steps": json.dumps({params[i][0]: steps[id(params[i][1])] for i in mine}),
-    }
     name = file_name(tp_rank, dp_rank)
-    with open(out / name, "wb") as raw:
-        handle = HashingWriter(raw)  # the checkpoint's files.json: no second read
-        handle.write(_header(entries, metadata))
-        for i, (_, param) in enumerate(params):
-            for key in KEYS:
-                value = _get(param, key)  # [full tensor-parallel shard], on every dp rank
-                if i in mine:
-                    _write_tensor(handle, value.narrow(0, 0, stored[i][0]))
-                del value
-        for _, buffer, shape in buffers:
-            _write_tensor(handle, buffer.narrow(0, 0, shape[0]))
+    metadata = {"format": str(FORMAT), "tensor_parallel_rank": str(tp_rank)}
+    hashed = write_pieces(out / name, pieces, buffers, metadata)
+    table = [(n, start, stop) for n, start, stop, _ in pieces]
+    where: dict[str, list[dict[str, Any]]] = {n: [] for n, _ in params}
+    for tp, dp, held in collectives.all_gather_object((tp_rank, dp_rank, table)):
+        for n, start, stop in held:
+            where[n].append(
+                {"tp": tp, "dp": dp, "start": start, "stop": stop, "file": file_name(tp, dp)}
+            )
     if tp_rank == 0 and dp_rank == 0:
         index = {
             "format": FORMAT,
@@ -298,31 +351,31 @@ def save(
             "data_parallel": dp_size,
             "params": [
                 {
-                    "name": name,
-                    "canonical": canonical(name),
+                    "name": n,
+                    "canonical": canonical(n),
                     "partition": partition_of_param(param),
                     "shape": list(full_shape(param)),  # in the model; stored: `vocab_rows`
-                    "vocab_rows": vocab_size if has_vocab_rows(name) else None,
+                    "vocab_rows": vocab_size if has_vocab_rows(n) else None,
                     "step": steps[id(param)],
-                    "writer": writer_of(i, dp_size),
+                    "fragments": sorted(where[n], key=lambda f: (f["tp"], f["start"])),
                 }
-                for i, (name, param) in enumerate(params)
+                for n, param in params
             ],
             "buffers": [
                 {
-                    "name": name,
-                    "canonical": canonical(name),
-                    "partition": buffer_partition(name),
+                    "name": n,
+                    "canonical": canonical(n),
+                    "partition": buffer_partition(n),
                     "shape": list(buffer.shape),
-                    "vocab_rows": vocab_size if has_vocab_rows(name) else None,
+                    "vocab_rows": vocab_size if has_vocab_rows(n) else None,
                     "writer": 0,
                 }
-                for name, buffer in saved_buffers(module)
+                for n, buffer in saved_buffers(module)
             ],
             **extra,
         }
         (out / INDEX).write_text(json.dumps(index, indent=1))
-    return {f"{OPTIM}/{name}": handle.entry()}
+    return {f"{OPTIM}/{name}": hashed}
 
 
 # ---- load -------------------------------------------------------------------------------
@@ -347,20 +400,26 @@ def read_index(checkpoint: Path) -> dict[str, Any]:
 def saved_tensors(
     checkpoint: Path, index: dict[str, Any], entry: dict[str, Any], key: str, tp_ranks: list[int]
 ) -> Iterator[torch.Tensor]:
-    """The saved shards of one parameter's `key` for tensor-parallel ranks `tp_ranks`, read
-    memory-mapped from the files that hold them."""
-    for tp in tp_ranks:
-        yield _read_piece(checkpoint, entry, key, tp, None, None, None)
+    """The saved shards of one parameter's `key` for tensor-parallel ranks `tp_ranks`, as
+    stored (a vocabulary tensor: its tokenizer rows), read memory-mapped from the files that
+    hold them (format 3: the rank's fragments laid end to end)."""
+    if "fragments" not in entry:
+        for tp in tp_ranks:
+            yield _read_piece(checkpoint, entry, key, tp, None, None, None)
+        return
+    with OpenFiles(checkpoint) as files:
+        for tp in tp_ranks:
+            shape = _stored_shape(entry["name"], tuple(entry["shape"]), entry["vocab_rows"], tp)
+            numel = int(torch.Size(shape).numel())
+            yield _from_fragments(files, entry, key, [(0, tp, 0, numel)], numel).reshape(shape)
 
 
 def saved_full(checkpoint: Path, index: dict[str, Any], entry: dict[str, Any], key: str):
     """One parameter's `key` in the TP 1 layout, merged from the saved shards as stored (a
     vocabulary tensor: [vocab_rows, ...], the tokenizer's rows)."""
     partition = entry["partition"] and tuple(entry["partition"])
-    shards = list(
-        saved_tensors(checkpoint, index, entry, key, list(range(index["tensor_parallel"])))
-    )
-    return merge(shards, partition)
+    ranks = range(index["tensor_parallel"] if partition else 1)  # replicated: rank 0's
+    return merge(list(saved_tensors(checkpoint, index, entry, key, list(ranks))), partition)
 
 
 def _cover(start: int, stop: int, piece: int) -> list[tuple[int, int, int]]:
@@ -474,6 +533,194 @@ def _vocab_of(checkpoint: Path, entry, name: str, vocab_size: int) -> int | None
     return vocab_size
 
 
+class OpenFiles:
+    """The optim/ files a load reads, each opened (memory-mapped) once and closed on exit;
+    `read` takes a range of a 1-D tensor, reading only its bytes."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.directory = checkpoint / OPTIM
+        self.handles: dict[str, Any] = {}
+        self.stack = ExitStack()
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+    def read(self, file: str, tensor: str, start: int, stop: int) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        path = self.directory / file
+        try:
+            if file not in self.handles:
+                self.handles[file] = self.stack.enter_context(safe_open(str(path), framework="pt"))
+            return self.handles[file].get_slice(tensor)[start:stop]
+        except (SafetensorError, OSError, KeyError) as err:
+            raise LayoutFreeError(f"{path}: unreadable ({one_line(err)[:200]})") from None
+
+
+def flat_runs(
+    pieces: list[tuple[int, int, int]],
+    shape: tuple[int, ...],
+    dim: int,
+    saved_length: int,
+    start: int,
+    stop: int,
+) -> list[tuple[int, int, int, int]]:
+    """Where [start, stop) of a rank's flattened shard of `shape` lies in the saved shards:
+    [(offset in the range, saved rank, saved start, saved stop)] of flat indices, adjacent
+    runs merged. `pieces` [(saved rank, first, last)] along `dim` make the shard's positions
+    0, 1, ... in order (`slice_plan`, `vocab_plan`; positions past them are padding and in no
+    run); a saved shard is `saved_length` long along `dim` and alike elsewhere."""
+    inner = int(torch.Size(shape[dim + 1 :]).numel())
+    row = shape[dim] * inner  # one index of the dims before `dim`
+    runs: list[tuple[int, int, int, int]] = []
+    for outer in range(start // row, -(-stop // row)):
+        position = 0
+        for owner, first, last in pieces:
+            lo = (outer * shape[dim] + position) * inner
+            hi = lo + (last - first) * inner
+            position += last - first
+            lo_, hi_ = max(lo, start), min(hi, stop)
+            if lo_ >= hi_:
+                continue
+            source = (outer * saved_length + first) * inner + lo_ - lo
+            if runs and runs[-1][1] == owner and runs[-1][3] == source:
+                at, _, begin, _ = runs[-1]
+                if at + source - begin == lo_ - start:
+                    runs[-1] = (at, owner, begin, source + hi_ - lo_)
+                    continue
+            runs.append((lo_ - start, owner, source, source + hi_ - lo_))
+    return runs
+
+
+def _from_fragments(
+    files: OpenFiles, entry, key: str, runs: list[tuple[int, int, int, int]], numel: int
+) -> torch.Tensor:
+    """A 1-D [numel] float32 tensor, zero but for `runs` (flat_runs'), read from the saved
+    fragments that hold them (only their bytes)."""
+    out = torch.zeros(numel, dtype=torch.float32)
+    held: dict[int, list[dict[str, Any]]] = {}
+    for fragment in sorted(entry["fragments"], key=lambda f: f["start"]):
+        held.setdefault(fragment["tp"], []).append(fragment)
+    starts = {owner: [f["start"] for f in found] for owner, found in held.items()}
+    for at, owner, lo, hi in runs:
+        found = held.get(owner, [])
+        first = max(0, bisect_right(starts.get(owner, []), lo) - 1)
+        covered = 0
+        for fragment in found[first:]:
+            a, b = max(lo, fragment["start"]), min(hi, fragment["stop"])
+            if fragment["start"] >= hi:
+                break
+            if a < b:
+                tensor = f"{entry['name']}/{key}"
+                piece = files.read(
+                    fragment["file"], tensor, a - fragment["start"], b - fragment["start"]
+                )
+                out[at + a - lo : at + b - lo] = piece
+                covered += b - a
+        if covered != hi - lo:
+            raise LayoutFreeError(
+                f"{files.directory}: {entry['name']}/{key}: elements [{lo}, {hi}) of tensor-"
+                f"parallel rank {owner}'s shard are in no fragment the index lists"
+            )
+    return out
+
+
+def _new_shard(entry, saved_world: int, shape, *, tp_rank: int, tp_size: int, vocab):
+    """(dim, pieces along it) that make this rank's shard of `shape` from the saved shards
+    (`flat_runs`' arguments), after checking that the saved shape gives the model's."""
+    partition = entry["partition"] and tuple(entry["partition"])
+    expected = list(entry["shape"])
+    if vocab is not None:
+        expected[0] = shape[0]  # padded for this size; the tokenizer's rows are read
+    elif partition is not None and saved_world != tp_size:
+        dim, stride = partition
+        length = entry["shape"][dim] * saved_world  # the dim in the TP 1 layout
+        expected[dim] = length // tp_size if length % (tp_size * stride) == 0 else -1
+    if tuple(expected) != tuple(shape):
+        raise LayoutFreeError(
+            f"{entry['name']} has shape {tuple(expected)} at tensor parallel {tp_size}, "
+            f"the model {tuple(shape)}"
+        )
+    if vocab is not None:
+        return 0, vocab_plan(vocab, entry["shape"][0], shape[0], tp_rank)
+    if partition is None:
+        return 0, [(0, 0, shape[0])]  # replicated: tensor-parallel rank 0's fragments
+    dim, stride = partition
+    if saved_world == tp_size:
+        return dim, [(tp_rank, 0, shape[dim])]
+    return dim, slice_plan(entry["shape"][dim] * saved_world, stride, saved_world, tp_rank, tp_size)
+
+
+def _load_fragments(
+    params, saved, checkpoint: Path, index, *, tp_rank: int, tp_size: int, vocab_size: int
+) -> None:
+    """Format 3: per parameter, this rank's own ZeRO range (`fragments.owned`) of its new
+    shard, mapped to runs of the saved shards (`flat_runs`), read by byte range from the
+    fragments holding them and set with no collective (`fragments.put`)."""
+    with OpenFiles(checkpoint) as files:
+        for name, param in params:
+            entry = saved[canonical(name)]
+            shape = full_shape(param)
+            vocab = _vocab_of(checkpoint, entry, name, vocab_size)
+            try:
+                dim, pieces = _new_shard(
+                    entry,
+                    index["tensor_parallel"],
+                    shape,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    vocab=vocab,
+                )
+            except LayoutFreeError as err:
+                raise LayoutFreeError(f"{checkpoint / OPTIM}: {err}") from None
+            span = fragments.owned(param)
+            if span is None:
+                continue
+            runs = flat_runs(pieces, shape, dim, entry["shape"][dim], *span)
+            for key in KEYS:
+                value = _from_fragments(files, entry, key, runs, span[1] - span[0])
+                fragments.put(param, key, value)
+
+
+def _load_shards(
+    params,
+    saved,
+    checkpoint: Path,
+    index,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    vocab_size: int,
+    device,
+) -> None:
+    """Formats 1 and 2: each parameter's saved shards whole, this rank's shard of them
+    handed to DeepSpeed's `safe_set_full_*` (which keeps this rank's ZeRO range)."""
+    for name, param in params:
+        entry = saved[canonical(name)]
+        shape = full_shape(param)
+        vocab = _vocab_of(checkpoint, entry, name, vocab_size)
+        for key in KEYS:
+            value = _saved_shard(
+                checkpoint,
+                index,
+                entry,
+                key,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                shape=shape,
+                vocab=vocab,
+            )
+            if tuple(value.shape) != shape:
+                raise LayoutFreeError(
+                    f"{checkpoint / OPTIM}: {name} has shape {tuple(value.shape)} at tensor "
+                    f"parallel {tp_size}, the model {shape}"
+                )
+            _set(param, key, value.to(device))
+
+
 def load(
     module: torch.nn.Module,
     zero: Any,
@@ -496,41 +743,24 @@ def load(
             f"{checkpoint / OPTIM}: parameters differ from this model's "
             f"(missing {missing[:3]}, not in the model {extra[:3]})"
         )
-    ensure_adam_state(zero)
-    device = _flat_groups(zero)[0][1].device  # where the fp32 partitions live
-    steps = set()
     for name, param in params:
-        entry = saved[canonical(name)]
-        if (entry["partition"] and tuple(entry["partition"])) != partition_of_param(param):
+        partition = saved[canonical(name)]["partition"]
+        if (partition and tuple(partition)) != partition_of_param(param):
             raise LayoutFreeError(f"{checkpoint / OPTIM}: {name} is partitioned differently")
-        shape = full_shape(param)
-        vocab = _vocab_of(checkpoint, entry, name, vocab_size)
-        for key in KEYS:
-            value = _saved_shard(
-                checkpoint,
-                index,
-                entry,
-                key,
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-                shape=shape,
-                vocab=vocab,
-            )
-            if tuple(value.shape) != shape:
-                raise LayoutFreeError(
-                    f"{checkpoint / OPTIM}: {name} has shape {tuple(value.shape)} at tensor "
-                    f"parallel {tp_size}, the model {shape}"
-                )
-            _set(param, key, value.to(device))
-        steps.add(int(entry["step"]))
+    steps = {int(saved[canonical(name)]["step"]) for name, _ in params}
     if len(steps) != 1:
         # the engine steps every group together; different counts are not ours to merge
         raise LayoutFreeError(f"{checkpoint / OPTIM}: Adam step counts differ: {sorted(steps)}")
+    ensure_adam_state(zero)
+    layout = {"tp_rank": tp_rank, "tp_size": tp_size, "vocab_size": vocab_size}
+    if index["format"] >= 3:
+        _load_fragments(params, saved, checkpoint, index, **layout)
+    else:
+        device = _flat_groups(zero)[0][1].device  # where the fp32 partitions live
+        _load_shards(params, saved, checkpoint, index, **layout, device=device)
     _set_adam_step(zero, steps.pop())
     _model_weights_from_masters(zero)
-    _load_buffers(
-        module, checkpoint, index, tp_rank=tp_rank, tp_size=tp_size, vocab_size=vocab_size
-    )
+    _load_buffers(module, checkpoint, index, **layout)
     return index
 
 

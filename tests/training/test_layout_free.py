@@ -8,6 +8,7 @@ own."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -98,15 +99,16 @@ def test_every_layout_loads_every_other_bit_for_bit(
     for i, name in enumerate(names[:-1]):  # the other direction: later layouts' checkpoints
         loads = [saved_layouts[n] for n in names[i + 1 :]]
         if i == 0:
-            # and its own through DeepSpeed's path, then a save: DeepSpeed's ZeRO 1/2 load
-            # unlinks the moments from the safe_get API (failed before ensure_adam_state)
+            # and its own: at the saved layout the layout-free state is read too (the
+            # checkpoint's one optimizer state), then a save
             loads.append(saved_layouts[name])
         run_layout(tmp_path, name, loads, i == 0, synth_tokenizer, synth_shards)
     for path in saved_layouts.values():
         index = json.loads((path / "optim" / "index.json").read_text())
         nproc, tp, _ = LAYOUTS[path.parent.parent.name]
-        writers = {p["writer"] for p in index["params"]}
-        assert writers == set(range(nproc // tp))  # every data-parallel rank wrote a part
+        written = {(f["tp"], f["dp"]) for p in index["params"] for f in p["fragments"]}
+        # every rank wrote its own part
+        assert written == {(t, d) for t in range(tp) for d in range(nproc // tp)}
         files = sorted(f.name for f in (path / "optim").glob("*.safetensors"))
         assert files == [layout_free.file_name(t, d) for t in range(tp) for d in range(nproc // tp)]
 
@@ -254,3 +256,131 @@ def test_del_train_resumes_at_another_tensor_parallel_size(tmp_path, synth_token
     # the data state of TP 2 x DP 2 (tests/training/test_data_state.py): one record per
     # data-parallel rank, gathered from tensor-parallel rank 0s over the data-parallel group
     assert_data_state_record(out / "checkpoints" / "step-0000008", dp_size=2)
+
+
+def ranges(numel: int, parts: int) -> list[tuple[int, int]]:
+    """ZeRO-like ranges of a flattened shard over `parts` data-parallel ranks, uneven (the
+    first rank's cut off one element early), empty ones dropped."""
+    size = -(-numel // parts)
+    cuts = [min(numel, max(0, r * size - (r > 0))) for r in range(parts)] + [numel]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+class MemoryFiles:
+    """layout_free.OpenFiles over in-memory 1-D tensors, counting the elements read."""
+
+    def __init__(self, tensors):
+        self.tensors, self.directory, self.read_elements = tensors, Path("mem"), 0
+
+    def read(self, file, tensor, start, stop):
+        self.read_elements += stop - start
+        return self.tensors[(file, tensor)][start:stop]
+
+
+def saved_fragments(shards: list[torch.Tensor], dp: int):
+    """(index entry's fragments, MemoryFiles) of `shards` saved at data parallel `dp`."""
+    found, tensors = [], {}
+    for tp, shard in enumerate(shards):
+        flat = shard.flatten()
+        for d, (a, b) in enumerate(ranges(flat.numel(), dp)):
+            file = layout_free.file_name(tp, d)
+            found.append({"tp": tp, "dp": d, "start": a, "stop": b, "file": file})
+            tensors[(file, "w/fp32")] = flat[a:b]
+    return found, MemoryFiles(tensors)
+
+
+@pytest.mark.parametrize("dim,stride", [(0, 1), (1, 1), (0, 2), (1, 2)])
+def test_flat_runs_read_each_new_range_as_merge_then_split_gives(dim, stride):
+    """Every rank of every (tensor parallel, data parallel) layout reads, from fragments
+    saved at every other layout, its ZeRO range of its new shard, and reads nothing else."""
+    from del_megatron.models.sharding import split
+
+    shape = [6, 5, 3]
+    shape[dim] = 24 * stride
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    for saved_tp in (1, 2, 4):
+        shards = [split(full, (dim, stride), r, saved_tp) for r in range(saved_tp)]
+        for saved_dp in (1, 3):
+            found, files = saved_fragments(shards, saved_dp)
+            entry = {
+                "name": "w",
+                "fragments": found,
+                "partition": [dim, stride],
+                "shape": list(shards[0].shape),
+                "vocab_rows": None,
+            }
+            for tp in (1, 2, 4):
+                for rank in range(tp):
+                    mine = split(full, (dim, stride), rank, tp)
+                    d, pieces = layout_free._new_shard(
+                        entry, saved_tp, tuple(mine.shape), tp_rank=rank, tp_size=tp, vocab=None
+                    )
+                    for a, b in ranges(mine.numel(), 2):
+                        files.read_elements = 0
+                        runs = layout_free.flat_runs(
+                            pieces, mine.shape, d, shards[0].shape[d], a, b
+                        )
+                        got = layout_free._from_fragments(files, entry, "fp32", runs, b - a)
+                        assert torch.equal(got, mine.flatten()[a:b]), (saved_tp, saved_dp, tp, rank)
+                        assert files.read_elements == b - a
+            if saved_tp == 2:  # the same layout: one run per fragment it overlaps
+                d, pieces = layout_free._new_shard(
+                    entry, 2, tuple(shards[1].shape), tp_rank=1, tp_size=2, vocab=None
+                )
+                runs = layout_free.flat_runs(
+                    pieces, shards[1].shape, d, shards[1].shape[d], 0, shards[1].numel()
+                )
+                assert runs == [(0, 1, 0, shards[1].numel())]
+
+
+def test_flat_runs_read_the_tokenizer_rows_and_leave_padding_zero():
+    """A vocabulary tensor saved at TP 1 (1040 rows: 1152 padded, 1040 stored) read at
+    TP 4 (1536 padded: 384 rows a rank, the last of padding only) by 3 data-parallel ranks."""
+    from del_megatron.models.sharding import split
+
+    vocab, h = 1040, 3
+    real = torch.arange(1, vocab * h + 1, dtype=torch.float32).reshape(vocab, h)
+    found, files = saved_fragments([real], 2)
+    entry = {
+        "name": "w",
+        "fragments": found,
+        "partition": [0, 1],
+        "shape": [1152, h],
+        "vocab_rows": vocab,
+    }
+    model = torch.cat([real, torch.zeros(1536 - vocab, h)])
+    for rank in range(4):
+        mine = split(model, (0, 1), rank, 4)
+        d, pieces = layout_free._new_shard(
+            entry, 1, tuple(mine.shape), tp_rank=rank, tp_size=4, vocab=vocab
+        )
+        for a, b in ranges(mine.numel(), 3):
+            files.read_elements = 0
+            runs = layout_free.flat_runs(pieces, mine.shape, d, 1152, a, b)
+            got = layout_free._from_fragments(files, entry, "fp32", runs, b - a)
+            assert torch.equal(got, mine.flatten()[a:b]), (rank, a, b)
+            assert files.read_elements == int(mine.flatten()[a:b].count_nonzero())
+
+
+def test_written_pieces_read_back_by_byte_range(tmp_path):
+    """write_pieces' 1-D tensors and buffers read back whole and by range through OpenFiles;
+    a range of a tensor the file lacks is one line naming the file."""
+    pieces = [
+        ("a", 4, 10, {k: torch.randn(6) for k in layout_free.KEYS}),
+        ("b", 0, 1, {k: torch.randn(1) for k in layout_free.KEYS}),
+    ]
+    buffers = [("c", torch.randn(2, 3))]
+    (tmp_path / "optim").mkdir()
+    entry = layout_free.write_pieces(
+        tmp_path / "optim" / "f.safetensors", pieces, buffers, {"x": "1"}
+    )
+    assert entry["bytes"] == (tmp_path / "optim" / "f.safetensors").stat().st_size
+    with layout_free.OpenFiles(tmp_path) as files:
+        for name, _, _, values in pieces:
+            for key, value in values.items():
+                assert torch.equal(
+                    files.read("f.safetensors", f"{name}/{key}", 0, len(value)), value
+                )
+                assert torch.equal(files.read("f.safetensors", f"{name}/{key}", 1, 2), value[1:2])
+        with pytest.raises(layout_free.LayoutFreeError, match="f.safetensors: unreadable"):
+            files.read("f.safetensors", "d/fp32", 0, 1)

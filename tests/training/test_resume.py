@@ -97,40 +97,56 @@ def kill_hard(proc) -> None:
     psutil.wait_procs(family, timeout=30)
 
 
-def model_states(checkpoint: Path) -> list[dict]:
-    """DeepSpeed's model-states file of each tensor-parallel rank, as saved."""
-    import torch
+def cost_embeddings(checkpoint: Path) -> list[tuple]:
+    """(EMO's cost embedding as the layout-free state keeps it, the output layer's weights in
+    model/) of each tensor-parallel rank, as saved."""
+    from safetensors.torch import load_file
 
-    files = sorted(checkpoint.glob("state/mp_rank_*_model_states.pt"))
-    assert files, f"no model states under {checkpoint}"
-    return [torch.load(f, weights_only=True, map_location="cpu")["module"] for f in files]
+    weights = sorted(checkpoint.glob("model/tp*.safetensors"))
+    assert weights, f"no weights under {checkpoint}"
+    out = []
+    for tp, path in enumerate(weights):
+        state = load_file(str(checkpoint / "optim" / f"tp{tp:02d}-dp00.safetensors"))
+        out.append((state["head.emo_cost_embedding/buffer"], load_file(str(path))))
+    return out
 
 
 def assert_cost_embedding_checkpointed(first: Path, later: Path) -> None:
-    """EMO's cost embedding is in every checkpoint's model states, the same in a later one
-    (it is taken once, from the weights the run starts with), while the output weights it
-    was taken from have trained away from it."""
+    """EMO's cost embedding is in every checkpoint's state, the same in a later one (it is
+    taken once, from the weights the run starts with), while the output weights it was taken
+    from have trained away from it."""
     import torch
 
-    for early, late in zip(model_states(first), model_states(later), strict=True):
-        cost = late["head.emo_cost_embedding"]
-        assert torch.equal(cost, early["head.emo_cost_embedding"])
-        taken_now = torch.nn.functional.normalize(late["output_layer.weight"].float(), dim=-1)
-        assert not torch.equal(cost, taken_now)
+    for (early, _), (cost, weights) in zip(
+        cost_embeddings(first), cost_embeddings(later), strict=True
+    ):
+        assert torch.equal(cost, early)
+        taken_now = torch.nn.functional.normalize(weights["output_layer.weight"].float(), dim=-1)
+        assert not torch.equal(cost, taken_now[: cost.shape[0]])
 
 
 # every kind whose state could differ on resume: emo's cost embedding is a buffer; del and
-# ntl_was: the digit kinds, with and without place weighting
-@pytest.mark.parametrize("kind", ["del", "emo", "ntl_was"])
-def test_exact_resume_after_sigkill(tmp_path, synth_tokenizer, synth_shards, kind):
+# ntl_was: the digit kinds, with and without place weighting. The optimizer state is the
+# layout-free one, read at the saved layout too; ntl_was keeps DeepSpeed's own instead
+# (train.layout_free_checkpoints=false, and how every checkpoint was written before the
+# layout-free state was the one copy), read through DeepSpeed's load.
+@pytest.mark.parametrize("kind,layout_free", [("del", True), ("emo", True), ("ntl_was", False)])
+def test_exact_resume_after_sigkill(tmp_path, synth_tokenizer, synth_shards, kind, layout_free):
     straight = tmp_path / "straight"
     run(command(straight, synth_tokenizer, synth_shards, f"loss.kind={kind}"))
     interrupted = tmp_path / "interrupted"
     cmd = command(
-        interrupted, synth_tokenizer, synth_shards, "train.save_interval=10", f"loss.kind={kind}"
+        interrupted,
+        synth_tokenizer,
+        synth_shards,
+        "train.save_interval=10",
+        f"loss.kind={kind}",
+        f"train.layout_free_checkpoints={str(layout_free).lower()}",
     )
     kill_hard(start_and_wait(cmd, interrupted, step=13))
-    assert (interrupted / "checkpoints" / "step-0000010" / "meta.json").is_file()
+    saved = interrupted / "checkpoints" / "step-0000010"
+    assert (saved / "meta.json").is_file()
+    assert (saved / "optim").is_dir() == layout_free and (saved / "state").is_dir() != layout_free
     proc = run([*cmd, "--resume", "auto"])
     assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
     a, b = losses(straight), losses(interrupted)
@@ -290,11 +306,12 @@ def test_bad_checkpoints_give_one_line_and_exit_non_zero(
     rng.write_bytes(original[:40])  # cut short
     fails([*base, "train.steps=4", "--resume", str(saved)], "rank00000.pt: unreadable")
     rng.write_bytes(original)
-    for state in saved.glob("state/*model_states.pt"):
+    for state in saved.glob("optim/*.safetensors"):
         state.write_bytes(state.read_bytes()[:100])  # corrupted
-    # cut short: refused by its size in files.json before DeepSpeed reads it (the start-up
+    # cut short: refused by its size in files.json before anything reads it (the start-up
     # check, training/checkpoint_files.py)
     fails(
-        [*base, "train.steps=4", "--resume", str(saved)], "model_states.pt: unreadable (100 bytes"
+        [*base, "train.steps=4", "--resume", str(saved)],
+        "tp00-dp00.safetensors: unreadable (100 bytes",
     )
     fails([*base, "--resume", str(tmp_path / "nowhere")], "not a complete checkpoint directory")

@@ -10,12 +10,21 @@ Vocabulary tensors are compared on the tokenizer's rows (the state keeps those);
 padding rows must hold zero moments always (no loss reads them) and, after a load at another
 layout, zero masters and weights (made at the load).
 
+Bytes are counted on every rank: what the collectives of the layout-free save touch (every
+tensor handed to torch.distributed or DeepSpeed's collectives, outputs included) must be
+<= 1.1 x the rank's own slice of the state (12 bytes an element of its ZeRO range, tokenizer
+rows only), and the checkpoint <= 1.05 x (that state + model/'s weights); what a load
+reads of the state's tensors (a counting safetensors reader) must be <= 1.1 x the rank's new
+slice, and over all ranks <= 1.1 x the state (so the mean rank reads <= 1.1 x state /
+(TP x DP)).
+
 argv: OUT LOAD(comma-separated checkpoint dirs, or -) TRAIN(0|1) config_file override...
 Prints one "OK ..." line per check on rank 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -28,7 +37,7 @@ from del_megatron import collectives
 from del_megatron.config import load_run_config
 from del_megatron.models.hf_tensors import canonical
 from del_megatron.models.sharding import merge, partition_of_param
-from del_megatron.training import checkpoint, layout_free
+from del_megatron.training import checkpoint, fragments, layout_free
 from del_megatron.training.trainer import setup, train_step
 
 
@@ -128,6 +137,140 @@ def assert_derived_rng(run, path: Path, step: int) -> None:
     assert torch.equal(torch.rand(4), expected), f"{path}: RNG not derived from {seed}"
 
 
+# torch.distributed's collectives (and the references DeepSpeed's backend keeps of two)
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "broadcast",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "gather",
+    "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+)  # fmt: skip
+
+
+def tensor_bytes(values) -> int:
+    total = 0
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, (list, tuple)):
+            total += tensor_bytes(value)
+    return total
+
+
+@contextlib.contextmanager
+def counted_collectives(counter: list[int]):
+    """Add to counter[0] the bytes of every tensor handed to a collective in the block."""
+    from deepspeed.comm import comm as ds_comm
+    from torch.distributed import distributed_c10d
+
+    def counting(real):
+        def call(*args, **kwargs):
+            counter[0] += tensor_bytes([*args, *kwargs.values()])
+            return real(*args, **kwargs)
+
+        return call
+
+    patched = [
+        (module, name, getattr(module, name))
+        for module in (dist, distributed_c10d)
+        for name in COLLECTIVES
+        if hasattr(module, name)
+    ]
+    backend = ds_comm.cdb
+    for attr in ("all_gather_function", "reduce_scatter_function"):
+        if backend is not None and getattr(backend, attr, None) is not None:
+            patched.append((backend, attr, getattr(backend, attr)))
+    for owner, name, real in patched:
+        setattr(owner, name, counting(real))
+    try:
+        yield
+    finally:
+        for owner, name, real in patched:
+            setattr(owner, name, real)
+
+
+class CountingHandle:
+    """A safetensors handle that adds the bytes of every state tensor (master, moments)
+    it returns to counter[0]."""
+
+    def __init__(self, inner, counter: list[int]):
+        self.inner, self.counter = inner, counter
+
+    def __enter__(self):
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+    def count(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        if name.rsplit("/", 1)[-1] in layout_free.KEYS:
+            self.counter[0] += value.numel() * value.element_size()
+        return value
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.count(name, self.inner.get_tensor(name))
+
+    def get_slice(self, name: str):
+        handle, view = self, self.inner.get_slice(name)
+
+        class Slice:
+            def get_shape(self):
+                return view.get_shape()
+
+            def __getitem__(self, index):
+                return handle.count(name, view[index])
+
+        return Slice()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def counted_reads(counter: list[int]):
+    import safetensors
+
+    real = safetensors.safe_open
+    safetensors.safe_open = lambda *a, **k: CountingHandle(real(*a, **k), counter)
+    try:
+        yield
+    finally:
+        safetensors.safe_open = real
+
+
+def own_slice_bytes(run) -> int:
+    """12 bytes (fp32 master, two moments) an element of this rank's ZeRO ranges of its
+    shards, the tokenizer's rows of the vocabulary tensors; replicated parameters on
+    tensor-parallel rank 0 (the ranks that keep them)."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    total = 0
+    for name, param in layout_free.trained_parameters(run.engine.module):
+        span = fragments.owned(param)
+        if span is None or (partition_of_param(param) is None and tp_rank > 0):
+            continue
+        shape = layout_free.full_shape(param)
+        if layout_free.has_vocab_rows(name):
+            rows = layout_free.stored_rows(run.cfg.model.vocab_size, shape[0], tp_rank)
+            shape = (rows, *shape[1:])
+        total += 12 * max(0, min(span[1], int(torch.Size(shape).numel())) - span[0])
+    return total
+
+
+def state_bytes(path: Path) -> int:
+    """12 bytes an element of the stored state (every saved shard, tokenizer rows only)."""
+    index = layout_free.read_index(path)
+    total = 0
+    for entry in index["params"]:
+        ranks = index["tensor_parallel"] if entry["partition"] else 1
+        for tp in range(ranks):
+            shape = tuple(entry["shape"])
+            if entry["vocab_rows"] is not None:
+                shape = (layout_free.stored_rows(entry["vocab_rows"], shape[0], tp), *shape[1:])
+            total += 12 * int(torch.Size(shape).numel())
+    return total
+
+
 def random_batches(run, step: int) -> list[dict[str, torch.Tensor]]:
     cfg = run.cfg
     gen = torch.Generator().manual_seed(1000 * step + run.dp_rank)
@@ -149,6 +292,36 @@ def random_batches(run, step: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def assert_one_copy(path: Path) -> None:
+    """The checkpoint holds the optimizer state once: its bytes <= 1.05 x (the state's 12
+    bytes an element + model/'s weights)."""
+    files = [p for p in path.rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    weights = sum(p.stat().st_size for p in files if p.parent.name == "model")
+    ratio = total / (state_bytes(path) + weights)
+    assert ratio <= 1.05, f"{path}: {total} bytes, {ratio:.3f} x state + weights"
+    print(f"OK one copy: {total} bytes, {ratio:.4f} x (12 bytes an element + model/)")
+
+
+def assert_reads_are_slices(run, path: Path, read: int) -> None:
+    """Where the load read the layout-free state (at another layout, or at the saved one
+    without DeepSpeed's), this rank read <= 1.1 x its new slice of the state's tensors, all
+    ranks together <= 1.1 x the state."""
+    saved = checkpoint.saved_layout(json.loads((path / "meta.json").read_text()))
+    if not checkpoint.reads_layout_free(path, saved, checkpoint.run_layout(run.cfg, run.world)):
+        return
+    mine, state = own_slice_bytes(run), state_bytes(path)
+    assert read <= 1.1 * mine, f"rank {run.rank} read {read} bytes of {path}, its slice {mine}"
+    reads = collectives.all_gather_object(read)
+    assert sum(reads) <= 1.1 * state, f"{path}: {sum(reads)} bytes read of a {state}-byte state"
+    if run.is_main:
+        share = max(reads) * run.world / state
+        print(
+            f"OK reads of {path.parent.parent.name}: {sum(reads) / state:.3f} x the state in "
+            f"all, the most a rank read {share:.3f} x state / (TP x DP)"
+        )
+
+
 def main() -> None:
     out, load, train, config, *overrides = sys.argv[1:]
     cfg = load_run_config(config, [*overrides, f"output_dir={out}"])
@@ -159,8 +332,11 @@ def main() -> None:
     step, made_padding = 0, False
     for path in [Path(p) for p in load.split(",") if p != "-"]:
         started = time.perf_counter()
-        step = checkpoint.load(run, path, None)
+        read = [0]
+        with counted_reads(read):
+            step = checkpoint.load(run, path, None)
         timings.append(f"load {time.perf_counter() - started:.2f}s")
+        assert_reads_are_slices(run, path, read[0])
         assert_derived_rng(run, path, step)
         saved_layout = checkpoint.saved_layout(json.loads((path / "meta.json").read_text()))
         made_padding = checkpoint.changed(saved_layout, checkpoint.run_layout(cfg, run.world))
@@ -172,8 +348,31 @@ def main() -> None:
         for s in range(step + 1, step + 7):
             train_step(run, random_batches(run, s), s)
         started = time.perf_counter()
-        saved = checkpoint.save(run, step + 6, None, keep=0)
+        sent = [0]
+        real_save = layout_free.save
+
+        def counted_save(*args, **kwargs):
+            with counted_collectives(sent):
+                return real_save(*args, **kwargs)
+
+        layout_free.save = counted_save
+        try:
+            saved = checkpoint.save(run, step + 6, None, keep=0)
+        finally:
+            layout_free.save = real_save
         timings.append(f"save {time.perf_counter() - started:.2f}s")
+        mine = own_slice_bytes(run)
+        assert sent[0] <= 1.1 * mine, (
+            f"rank {run.rank}: the layout-free save's collectives moved {sent[0]} bytes, its "
+            f"slice is {mine}"
+        )
+        most = max(collectives.all_gather_object((sent[0] / mine, sent[0])))
+        if run.is_main:
+            print(
+                f"OK save collectives <= {most[0]:.5f} x the rank's slice ({most[1]} bytes) "
+                f"at {layout}"
+            )
+            assert_one_copy(saved)
         # padding made at a load stays zero through training: zero gradient, zero decay
         when = f"{saved} as saved at {layout}"
         assert_state_equals_files(run, saved, when, made_padding=made_padding)
