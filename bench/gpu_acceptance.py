@@ -11,6 +11,7 @@ tiny, float32 (the wiring, not the figures); --plan: the checks, estimates and l
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -29,9 +30,6 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
-
-from packaging.requirements import Requirement  # packaging: a requirement of transformers
-from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 THIS = str(Path(__file__).resolve())
@@ -125,10 +123,8 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
     for child in started:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-        except psutil.NoSuchProcess:
-            pass
     proc.wait()
 
 
@@ -143,12 +139,16 @@ def relative(a: float, b: float) -> float:
     return abs(a - b) / max(1.0, abs(b))
 
 
-# ---- the checks, in PLAN's order ----------------------------------------------------------
-
-
 def check_install(c: Check) -> str:
     """.whl/'s wheels where the interpreter lacks the distribution or has an older one (pip
     picks the file for this Python); then what they and pyproject.toml require must be met."""
+    try:  # pip's copy where the image lacks packaging
+        from packaging.requirements import Requirement
+        from packaging.version import Version
+    except ImportError:
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.version import Version
+
     site, python = c.env["DEL_SITE"], f"Python {sys.version.split()[0]}"
     carried = {canonical(f.name.split("-")[0]): f.name.split("-")[1] for f in WHEELS.glob("*.whl")}
     have = visible([site, *sys.path])
@@ -189,7 +189,7 @@ def visible(path: list[str]) -> dict:
 def carried_requirements(pyproject: Path) -> list[str]:
     """pyproject.toml's requirements of the carried packages (one source of the versions)."""
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    return [d for d in deps if canonical(Requirement(d).name) in CARRIED]
+    return [d for d in deps if canonical(re.match(r"[\w.-]+", d)[0]) in CARRIED]
 
 
 def check_env(c: Check) -> str:
