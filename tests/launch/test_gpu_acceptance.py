@@ -72,6 +72,7 @@ def test_the_plan_fits_8_minutes_on_one_h200(tmp_path):
     out = run_script(tmp_path, "exit 6", "--plan")  # prints the estimates; no GPU needed
     assert out.returncode == 0, out.stderr
     assert "budget 480 s" in out.stdout and "train-tp1             ~ 90 s" in out.stdout
+    assert "stop-resume-tp2       ~ 70 s, limit 300 s (2+ GPUs)" in out.stdout
 
 
 # ---- the checks' assertions, the commands replaced ----------------------------------------
@@ -356,3 +357,12 @@ def test_install_checks_each_wheels_dependencies(tmp_path, monkeypatch):
     with pytest.raises(acc.Failed, match="pyproject.toml needs acc-needs-typing>=2, has 1.0"):
         acc.check_install(c)
     assert c.figures["installed"] == []
+
+
+def test_an_older_python_fails_the_install_row(tmp_path, monkeypatch):
+    """An image whose Python is older than pyproject.toml's 3.11: the install row says so (the
+    rest is skipped), where an ImportError of tomllib would have ended the run unrecorded."""
+    monkeypatch.setattr(sys, "version_info", (3, 10, 12, "final", 0))
+    c = acc.Check("install", acc.CPU, tmp_path, {"DEL_SITE": str(tmp_path)}, time.monotonic())
+    with pytest.raises(acc.Failed, match=r"the project needs >= 3.11 \(pyproject.toml\)"):
+        acc.check_install(c)
