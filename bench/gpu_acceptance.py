@@ -252,6 +252,7 @@ def judge_run(c: Check, records: dict[int, dict], steps: int) -> None:
     for r in records.values():
         if not (0 < r["loss"] < 100 and 0 <= r["grad_norm"] < 1e4):
             raise Failed(f"step {r['step']}: loss {r['loss']}, grad norm {r['grad_norm']}")
+    c.figures["loss_step1"] = records[1]["loss"]
     c.within("loss_fall", records[1]["loss"] - records[steps]["loss"], lo=1e-3)
     c.within("tokens_per_s", statistics.median(r["tokens_per_s"] for r in records.values()),
              lo=1)
