@@ -430,7 +430,7 @@ PLAN = [
     ("data", check_data, 15, 180),
     ("train-tp1", lambda c: check_train(c, 1, False), 90, 300),  # the first step compiles
     ("train-fused-tp1", lambda c: check_train(c, 1, True), 35, 180),
-    ("one-rank-collectives", check_one_rank_collectives, 35, 180),  # as train-fused-tp1
+    ("one-rank-collectives", check_one_rank_collectives, 30, 180),
     ("stop-resume-tp1", lambda c: check_stop_resume(c, 1), 60, 300),
     ("train-tp2", lambda c: check_train(c, 2, False), 40, 240),
     ("train-fused-tp2", lambda c: check_train(c, 2, True), 40, 240),
