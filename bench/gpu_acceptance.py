@@ -2,16 +2,16 @@
 
     bash bench/gpu_acceptance.sh [--cpu-smoke] [--plan]
 
-PLAN's checks run in order under their time limits, judging what launch/torchrun.sh,
-del-train, del-convert, del-eval and bench/*.py wrote against BOUNDS; two or more GPUs add
-the TP 2 runs. Out: a table, and $OUT/gpu_acceptance.json with $OUT/logs/ (OUT: the work
-directory unless set). Exit 1 when a check failed, when nvidia-smi lists GPUs this torch
-cannot use, or with no GPU. --cpu-smoke: the one-GPU plan on the CPU, tiny, float32 (the
-wiring, not the figures); --plan: the checks and their estimates on one H200. The wheels of
-.whl/ (bench/fetch_gpu_wheels.sh) go into $DEL_SITE (default /tmp/del-site-pyX.Y).
+PLAN's checks run in order, each under its time limit, and judge what launch/torchrun.sh,
+del-convert, del-eval and bench/*.py wrote; each bound, (GPU, CPU smoke), stands beside its
+figure. Two or more GPUs add the TP 2 runs. Out: a table, and $OUT/gpu_acceptance.json with
+$OUT/logs/ (OUT: the work directory unless set). Exit 1 when a check failed, when nvidia-smi
+lists GPUs this torch cannot use, or with no GPU. --cpu-smoke: the one-GPU plan on the CPU,
+tiny, float32 (the wiring, not the figures); --plan: the checks, estimates and limits.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -23,86 +23,41 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
-import tomllib
 import traceback
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-
-try:  # pip's copy where the image lacks packaging (pip installs the wheels)
-    from packaging.requirements import Requirement
-    from packaging.version import Version
-except ImportError:
-    from pip._vendor.packaging.requirements import Requirement
-    from pip._vendor.packaging.version import Version
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 THIS = str(Path(__file__).resolve())
-ONE_RANK_SWITCH = "DEL_COLLECTIVES_ON_ONE_RANK"  # issue 25 item 13: our collectives on 1 rank
+ONE_RANK_SWITCH = "DEL_COLLECTIVES_ON_ONE_RANK"  # del_megatron/collectives.py's ON_ONE_RANK
 BUDGET_S = 8 * 60  # the one-GPU plan on one H200
-WHEELS = ROOT / ".whl"  # bench/fetch_gpu_wheels.sh
+WHEELS = ROOT / ".whl"  # bench/fetch_gpu_wheels.sh; installed into $DEL_SITE
 CARRIED = ("megatron-core", "deepspeed", "pydantic", "webdataset")  # what .whl/ brings
 NUMBER = r"([-+0-9.eE]+|nan|inf)"
 
-# Every bound: (GPU, CPU smoke); relative differences are |a - b| / max(1, |b|). GPU, bf16:
-# fused and unfused sum in other orders, and a run is not bit-reproducible (atomic adds in
-# backward): a resumed run drifts by bf16 ulps a step (0.02 in a weight: 7 Adam steps at lr
-# 3e-3); the benchmarks' bounds are docs/benchmarks.md's goals. CPU, float32 on two shared
-# cores: resume and one-rank collectives are bit-exact (tests/training), the two model
-# implementations agree to rounding (.ci/run); toy timings are noise, the RSS meter coarse.
-BOUNDS = {
-    "step1": (1e-2, 1e-5),  # fused vs unfused run, step 1 (same weights, batch): loss, grad norm
-    "later": (2e-2, 1e-4),  # fused vs unfused run: every step's loss
-    "resumed": (2e-2, 0.0),  # stopped+resumed, one-rank collectives vs straight: loss, weights
-    "eval": (2e-2, 1e-4),  # del-eval of a checkpoint and of its export: loss, digit entropy
-    "hook_time": (1.05, 3),  # hook / megatron's fused CE: time, goal
-    "hook_peak": (1.02, 3),  # ... peak memory, logits handed over: goal +2%
-    "fused_time": (1.00, 3),  # fused output layer + loss / megatron's: goal
-    "fused_peak": (0.10, 1),  # ... peak memory, .grad fresh (ZeRO 2/3): goal
-    "chunk_time": (1.00, 3),  # ... at a 4096-token chunk: the same time goal
-    "chunk_peak": (0.50, 1),  # ... a quarter of the tokens' logits, twice over
-    "del_over_mle": (1.03, 3),  # training step, DEL over MLE: goal
-    "mfu": (0.20, None),  # 4-layer 7B-width step: a floor (host syncs, fp32 math); CPU: none
-}
 
-
-@dataclass(frozen=True)
-class Mode:
+class Mode(NamedTuple):
     device: str
     steps: int  # the tiny runs' length
     stop_at: int  # SIGUSR1 once metrics.jsonl reaches this step; also the log interval
     slowdown: int  # time limits x this
-    bounds: dict  # a column of BOUNDS
-    benches: dict  # the benchmarks' command lines (after the interpreter)
 
 
-GPU = Mode("cuda", 20, 8, 1, {k: v[0] for k, v in BOUNDS.items()}, {
-    "hook": "bench/loss_tp.py --device cuda --dtype bf16 --vocab 152064 --tokens 16384 "
-            "--repeats 10",
-    "fused": "bench/loss_fused.py --device cuda --dtype bf16 --tp 1 --tokens 16384 --chunk 1024 "
-             "--chunks 4096 --paths megatron,fused --memory fresh --repeats 3",
-    "step": "bench/train_step.py --gpu-7b --steps 6"})
-CPU = Mode("cpu", 8, 3, 4, {k: v[1] for k, v in BOUNDS.items()}, {
-    "hook": "bench/loss_tp.py --device cpu --dtype bf16 --vocab 8192 --tokens 2048 --repeats 1",
-    "fused": "bench/loss_fused.py --device cpu --dtype fp32 --tp 1 --vocab 16384 --hidden 256 "
-             "--tokens 1024 --chunk 256 --chunks 512 --paths megatron,fused --memory fresh "
-             "--repeats 1",
-    "step": "-m torch.distributed.run --standalone --nproc-per-node=2 bench/train_step.py "
-            "--steps 1"})
+# CPU smoke: its limits only catch a hang; on two cores shared with a training run, a tiny run
+# took 199 s once and 740 s (tokens/s a tenth) the next time, past a limit of 4 x 180 s
+GPU, CPU = Mode("cuda", 20, 8, 1), Mode("cpu", 8, 3, 10)
 
 
 class Failed(Exception):
     """A command that failed or a figure out of its bound: the row's note."""
 
 
-class Skipped(Exception):
-    """What this machine or branch lacks: a skipped row, never a pass."""
-
-
 @dataclass
 class Check:
+    """One row: its commands, run under its deadline, and its figures, each judged."""
     name: str
     mode: Mode
     work: Path
@@ -110,23 +65,39 @@ class Check:
     deadline: float
     figures: dict = field(default_factory=dict)
 
-    def within(self, name: str, value: float, lo=-float("inf"), hi=float("inf")) -> None:
+    def pick(self, gpu, cpu):
+        return gpu if self.mode.device == "cuda" else cpu
+
+    def within(self, name: str, value: float, lo=-math.inf, hi=math.inf) -> None:
         """Record a figure; out of [lo, hi] (NaN too) fails the check."""
         self.figures[name] = value
         if not lo <= value <= hi:
             raise Failed(f"{name} = {value:.6g}, outside its bound [{lo:g}, {hi:g}]")
 
-    def below(self, name: str, value: float, bound: str) -> None:
-        self.within(name, value, 0, self.mode.bounds[bound])
+    def below(self, name: str, value: float, gpu: float, cpu: float) -> None:
+        self.within(name, value, 0, self.pick(gpu, cpu))
 
-    def run(self, *cmd: str, ok=(0,), env=None, stop_when=None) -> str:
-        """The command's output (logged too); stop_when: SIGUSR1 to it once this is true."""
+    def run(self, *cmd: str, ok=(0,), env=None, stop_when=None, pattern=None):
+        """cmd's output (an exit status not in ok fails); with pattern, the figures of each line
+        that matches it (none fails). stop_when: SIGUSR1 to cmd once this is true."""
+        status, text = self.spawn(cmd, env or self.env, stop_when)
+        if status not in ok:
+            raise Failed(f"exit {status} (expected {ok[0]}): {failure_line(text)}")
+        if pattern is None:
+            return text
+        if not (found := re.findall(pattern, text, re.M)):
+            script = next((word for word in cmd if word.endswith(".py")), cmd[0])
+            raise Failed(f"{script} printed no line like {pattern!r}")
+        return found
+
+    def spawn(self, cmd, env, stop_when) -> tuple[int, str]:
+        """Run cmd from the checkout, its output into logs/NAME.log; stopped at the deadline."""
         with (self.work / "logs" / f"{self.name}.log").open("ab+") as log:
             log.write(f"$ {shlex.join(cmd)}\n".encode())
             start = log.tell()
             log.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
             try:
                 while proc.poll() is None:
                     if time.monotonic() > self.deadline:
@@ -139,10 +110,7 @@ class Check:
                 if proc.poll() is None:
                     stop(proc)
             log.seek(start)
-            text = log.read().decode(errors="replace")
-        if proc.returncode not in ok:
-            raise Failed(f"exit {proc.returncode} (expected {ok[0]}): {failure_line(text)}")
-        return text
+            return proc.returncode, log.read().decode(errors="replace")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -157,10 +125,8 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
     for child in started:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-        except psutil.NoSuchProcess:
-            pass
     proc.wait()
 
 
@@ -175,13 +141,19 @@ def relative(a: float, b: float) -> float:
     return abs(a - b) / max(1.0, abs(b))
 
 
-# ---- the checks, in PLAN's order ----------------------------------------------------------
-
-
 def check_install(c: Check) -> str:
     """.whl/'s wheels where the interpreter lacks the distribution or has an older one (pip
     picks the file for this Python); then what they and pyproject.toml require must be met."""
+    try:  # pip's copy where the image lacks packaging
+        from packaging.requirements import Requirement
+        from packaging.version import Version
+    except ImportError:
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.version import Version
+
     site, python = c.env["DEL_SITE"], f"Python {sys.version.split()[0]}"
+    if sys.version_info < (3, 11):  # noqa: UP036 (older NGC images: a row, not a traceback)
+        raise Failed(f"{python}: the project needs >= 3.11 (pyproject.toml); set DEL_PYTHON")
     carried = {canonical(f.name.split("-")[0]): f.name.split("-")[1] for f in WHEELS.glob("*.whl")}
     have = visible([site, *sys.path])
     todo = [f"{name}=={version}" for name, version in sorted(carried.items())
@@ -220,8 +192,10 @@ def visible(path: list[str]) -> dict:
 
 def carried_requirements(pyproject: Path) -> list[str]:
     """pyproject.toml's requirements of the carried packages (one source of the versions)."""
+    import tomllib
+
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    return [d for d in deps if canonical(Requirement(d).name) in CARRIED]
+    return [d for d in deps if canonical(re.match(r"[\w.-]+", d)[0]) in CARRIED]
 
 
 def check_env(c: Check) -> str:
@@ -239,19 +213,15 @@ def check_deepspeed_config(c: Check) -> str:
     out = c.run(sys.executable, "-m", "del_megatron.cli.train", "--config",
                 "configs/qwen2.5_7b.yaml", "--deepspeed-json", "8")
     config = json.loads(out[out.index("{"):])
-    bf16, accumulate = (config.get(a, {}).get(b) for a, b in
-                        (("bf16", "enabled"), ("data_types", "grad_accum_dtype")))
-    c.figures.update(bf16=bf16, grad_accum_dtype=accumulate)
-    if not bf16 or accumulate != "fp32":
-        raise Failed(f"bf16 {bf16}, data_types.grad_accum_dtype {accumulate!r}, expected 'fp32'")
+    bf16 = c.figures["bf16"] = config.get("bf16", {}).get("enabled")
+    dtype = c.figures["grad_accum_dtype"] = config.get("data_types", {}).get("grad_accum_dtype")
+    if not bf16 or dtype != "fp32":
+        raise Failed(f"bf16 {bf16}, data_types.grad_accum_dtype {dtype!r}, expected 'fp32'")
     return "bf16, gradients accumulated in fp32"
 
 
 def check_data(c: Check) -> str:
     c.run("bash", "launch/tiny_data.sh", str(c.work / "data"), "1500")
-    for part in ("tokenizer.model", "shards/train/manifest.json", "shards/heldout/manifest.json"):
-        if not (c.work / "data" / part).is_file():
-            raise Failed(f"launch/tiny_data.sh wrote no {part}")
     return "launch/tiny_data.sh: corpus, tokenizer, shards"
 
 
@@ -278,21 +248,28 @@ def loss_diff(ours: dict[int, dict], reference: dict[int, dict]) -> float:
 
 
 def judge_run(c: Check, records: dict[int, dict], steps: int) -> None:
-    """Every step logged with a finite loss and gradient norm, and the loss fell."""
+    """Every step logged, loss in (0, 100) and gradient norm below 1e4 (NaN fails); loss fell."""
     if sorted(records) != list(range(1, steps + 1)):
         raise Failed(f"metrics.jsonl has steps {sorted(records)[:4]}..., expected 1..{steps}")
-    for r in records.values():  # finite and sane: loss in (0, 100), gradient norm < 1e4
+    for r in records.values():
         if not (0 < r["loss"] < 100 and 0 <= r["grad_norm"] < 1e4):
             raise Failed(f"step {r['step']}: loss {r['loss']}, grad norm {r['grad_norm']}")
-    c.within("loss_step1", records[1]["loss"], 0, 100)
+    c.figures["loss_step1"] = records[1]["loss"]
     c.within("loss_fall", records[1]["loss"] - records[steps]["loss"], lo=1e-3)
     c.within("tokens_per_s", statistics.median(r["tokens_per_s"] for r in records.values()),
              lo=1)
 
 
+# Bounds (GPU, CPU smoke). In bf16 fused and unfused sum in other orders, and a run is not
+# bit-reproducible (atomic adds in backward): a resumed run drifts by bf16 ulps a step (0.02 in
+# a weight after 7 Adam steps at lr 3e-3). In float32 on the CPU the two paths agree to
+# rounding (.ci/run); resume and one-rank collectives are bit-exact (tests/training).
+STEP1, LATER, RESUMED = (1e-2, 1e-5), (2e-2, 1e-4), (2e-2, 0.0)
+
+
 def check_train(c: Check, tp: int, fused: bool) -> str:
     run = f"train-{'fused-' if fused else ''}tp{tp}"
-    c.run(*tiny(c, run, tp, f"loss.fused_output={str(fused).lower()}"))
+    c.run(*tiny(c, run, tp, *(["loss.fused_output=true"] if fused else [])))  # default: false
     ours = metrics(c.work / run)
     judge_run(c, ours, c.mode.steps)
     if not (c.work / run / "checkpoints" / f"step-{c.mode.steps:07d}").is_dir():
@@ -300,23 +277,21 @@ def check_train(c: Check, tp: int, fused: bool) -> str:
     if fused:  # issue 25 item 7: step 1 (same weights and batch) forward and backward, then
         unfused = metrics(c.work / f"train-tp{tp}")  # the losses after the fused op's updates
         for key in ("loss", "grad_norm"):
-            c.below(f"step1_{key}_rel_diff", relative(ours[1][key], unfused[1][key]), "step1")
-        c.below("loss_max_rel_diff", loss_diff(ours, unfused), "later")
+            c.below(f"step1_{key}_rel_diff", relative(ours[1][key], unfused[1][key]), *STEP1)
+        c.below("loss_max_rel_diff", loss_diff(ours, unfused), *LATER)
     return f"{c.mode.steps} steps at TP {tp}" + (", as the unfused run" if fused else "")
 
 
 def check_one_rank_collectives(c: Check) -> str:
-    if not any(ONE_RANK_SWITCH in p.read_text() for p in (ROOT / "del_megatron").rglob("*.py")):
-        raise Skipped(f"del_megatron/ does not read {ONE_RANK_SWITCH} (issue 25 item 13)")
-    c.run(*tiny(c, "one-rank", 1, f"train.steps={c.mode.stop_at}"),
-          env={**c.env, ONE_RANK_SWITCH: "1"})
-    ours = metrics(c.work / "one-rank")
-    c.below("loss_max_rel_diff", loss_diff(ours, metrics(c.work / "train-tp1")), "resumed")
-    return f"{ONE_RANK_SWITCH}=1: {len(ours)} steps as the run without it"
+    """Our collectives issued on one-rank groups (issue 25 item 13): train-tp1's run again, the
+    same length (the learning-rate schedule follows train.steps), every loss and the weights."""
+    c.run(*tiny(c, "one-rank", 1), env={**c.env, ONE_RANK_SWITCH: "1"})
+    as_straight_run(c, c.work / "one-rank", c.work / "train-tp1")
+    return f"{ONE_RANK_SWITCH}=1: {c.mode.steps} steps as the run without it"
 
 
 def check_stop_resume(c: Check, tp: int) -> str:
-    run, straight = c.work / f"stop-resume-tp{tp}", c.work / f"train-tp{tp}"
+    run = c.work / f"stop-resume-tp{tp}"
     command = tiny(c, run.name, tp)
 
     def reached() -> bool:
@@ -329,53 +304,54 @@ def check_stop_resume(c: Check, tp: int) -> str:
     stopped_at = max(int(p.name[5:]) for p in (run / "checkpoints").glob("step-*"))
     c.within("stopped_at", stopped_at, c.mode.stop_at, c.mode.steps - 1)
     c.run(*command)  # the same command resumes (torchrun.sh: --resume same)
-    judge_run(c, metrics(run), c.mode.steps)
-    c.below("loss_max_rel_diff", loss_diff(metrics(run), metrics(straight)), "resumed")
-    final = f"checkpoints/step-{c.mode.steps:07d}/model"
-    c.below("weights_max_abs_diff", weights_difference(run / final, straight / final), "resumed")
+    as_straight_run(c, run, c.work / f"train-tp{tp}")
     return f"SIGUSR1, exit 75 at step {stopped_at}, resumed to {c.mode.steps}"
 
 
+def as_straight_run(c: Check, run: Path, straight: Path) -> None:
+    """run, judged, against the straight run of the same command: every loss, the weights."""
+    judge_run(c, metrics(run), c.mode.steps)
+    c.below("loss_max_rel_diff", loss_diff(metrics(run), metrics(straight)), *RESUMED)
+    final = f"checkpoints/step-{c.mode.steps:07d}/model"
+    c.below("weights_max_abs_diff", weights_difference(run / final, straight / final), *RESUMED)
+
+
 def weights_difference(a: Path, b: Path) -> float:
-    """Largest |a - b| over every tensor of two directories of tp*.safetensors (0: equal)."""
+    """Largest |a - b| over the tensors of two directories of tp*.safetensors (0: equal)."""
     from safetensors.torch import load_file
 
-    files = sorted(p.name for p in a.glob("tp*.safetensors"))
-    if not files or files != sorted(p.name for p in b.glob("tp*.safetensors")):
-        raise Failed(f"weight files differ: {a} {files} vs {b}")
-    worst = 0.0
-    for name in files:
-        x, y = load_file(a / name), load_file(b / name)
-        if x.keys() != y.keys() or any(x[k].shape != y[k].shape for k in x):
-            raise Failed(f"{name}: tensor names or shapes differ")
-        worst = max([worst, *((x[k].double() - y[k].double()).abs().max().item() for k in x)])
-    return worst
+    x, y = ({f"{p.name}:{k}": t for p in sorted(d.glob("tp*.safetensors"))
+             for k, t in load_file(p).items()} for d in (a, b))
+    if not x or x.keys() != y.keys() or any(x[k].shape != y[k].shape for k in x):
+        raise Failed(f"the weights of {a} and {b} differ in files, names or shapes")
+    return max((x[k].double() - y[k].double()).abs().max().item() for k in x)
 
 
 def check_init_hf(c: Check) -> str:
     """A tied Qwen-2 -> init.hf -> 2 steps -> del-convert: a tied export, evaluated as ours."""
+    from safetensors import safe_open
+
     hf, run = c.work / "qwen2", c.work / "init-hf"
-    c.run(sys.executable, THIS, "--tiny-qwen2", str(hf), str(c.work / "data/tokenizer.model"))
+    c.run(sys.executable, "-c", "from tests.models.tiny_hf import tiny_hf_model; tiny_hf_model("
+          f"'qwen2-tied', {str(hf)!r}, vocab_size=1024, hidden_size=128, intermediate_size=352, "
+          "num_hidden_layers=4, max_position_embeddings=256, rope_theta=1e4, rms_norm_eps=1e-5)")
+    shutil.copy(c.work / "data/tokenizer.model", hf)
     c.run(*tiny(c, run.name, 1, "train.steps=2", "data.tokenizer=null", f"init.hf={hf}",
                 "model.family=qwen2", "model.qkv_bias=true", "model.tie_word_embeddings=true",
                 "eval.sources=[]", data=False))
-    export = evaluate_with_export(c, run / "checkpoints/step-0000002", "init-hf")
+    evaluate_with_export(c, run / "checkpoints/step-0000002", "init-hf")
+    export = c.work / "init-hf-export"
     stored = []
-    for file in export.glob("*.safetensors"):  # the header: 8 bytes of length, then JSON
-        with file.open("rb") as f:
-            stored += json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    for file in export.glob("*.safetensors"):
+        with safe_open(file, "pt") as tensors:
+            stored += tensors.keys()
     tied = json.loads((export / "config.json").read_text()).get("tie_word_embeddings")
     if not tied or "lm_head.weight" in stored:
         raise Failed(f"export: tie_word_embeddings {tied}, lm_head.weight stored")
     return "tied export; its del-eval metrics equal the checkpoint's"
 
 
-def check_del_eval(c: Check) -> str:
-    evaluate_with_export(c, c.work / f"train-tp1/checkpoints/step-{c.mode.steps:07d}", "eval")
-    return "a checkpoint and its export: the same loss and digit entropy"
-
-
-def evaluate_with_export(c: Check, checkpoint: Path, name: str) -> Path:
+def evaluate_with_export(c: Check, checkpoint: Path, name: str) -> str:
     """del-convert, del-eval of both, del-eval compare. Loss and digit entropy are judged;
     digit accuracy and number errors (argmax near-ties that bf16 flips) only recorded."""
     export = c.work / f"{name}-export"
@@ -390,52 +366,61 @@ def evaluate_with_export(c: Check, checkpoint: Path, name: str) -> Path:
           str(c.work / f"{name}-compare"))
     ours, theirs = (json.loads((d / "results.json").read_text())["numeric"] for d in results)
     for key in ("loss", "digit_entropy"):
-        c.below(f"{key}_rel_diff", relative(ours[key], theirs[key]), "eval")
+        c.below(f"{key}_rel_diff", relative(ours[key], theirs[key]), *LATER)
     c.figures.update({k: ours.get(k) for k in ("loss", "digit_acc", "number_abs_error")})
-    return export
+    return "a checkpoint and its export: the same loss and digit entropy"
 
 
-def bench(c: Check, kind: str, pattern: str) -> list[tuple]:
-    """The figures a bench/*.py prints (pattern: a line of them); none found fails."""
-    command = shlex.split(c.mode.benches[kind])
-    found = re.findall(pattern, c.run(sys.executable, *command), re.M)
-    if not found:
-        script = next(word for word in command if word.endswith(".py"))
-        raise Failed(f"{script} printed no line like {pattern!r}")
-    return found
+# The benchmarks (GPU, CPU smoke): on the GPU, docs/benchmarks.md's goals; on the CPU only a
+# broken wiring fails (toy timings on shared cores are noise, the RSS meter coarse).
 
 
 def check_bench_hook(c: Check) -> None:
-    (time_ratio, peak), = bench(c, "hook", rf"^hook / .*?: time {NUMBER}x, peak {NUMBER}x")
-    c.below("hook_over_megatron_time", float(time_ratio), "hook_time")
-    c.below("hook_over_megatron_peak", float(peak), "hook_peak")
+    (time_ratio, peak), = c.run(sys.executable, *c.pick(
+        "bench/loss_tp.py --device cuda --dtype bf16 --vocab 152064 --tokens 16384 --repeats 10",
+        "bench/loss_tp.py --device cpu --dtype bf16 --vocab 8192 --tokens 2048 --repeats 1",
+    ).split(), pattern=rf"^hook / .*?: time {NUMBER}x, peak {NUMBER}x")
+    c.below("hook_over_megatron_time", float(time_ratio), 1.05, 3)  # megatron's fused CE
+    c.below("hook_over_megatron_peak", float(peak), 1.02, 3)  # logits handed over: +2%
 
 
 def check_bench_fused(c: Check) -> None:
-    # "fused / megatron: time Tx, peak memory Mx"; "chunk   4096: fused time Tx, ... (Mx)"
-    pattern = rf"^(fused / megatron|chunk +\d+): (?:fused )?time {NUMBER}x, peak.*?{NUMBER}x"
-    rows = bench(c, "fused", pattern)
+    """"fused / megatron: time Tx, peak memory Mx"; "chunk   4096: fused time Tx, ... (Mx)"."""
+    rows = c.run(sys.executable, *c.pick(
+        "bench/loss_fused.py --device cuda --dtype bf16 --tp 1 --tokens 16384 --chunk 1024 "
+        "--chunks 4096 --paths megatron,fused --memory fresh --repeats 3",
+        "bench/loss_fused.py --device cpu --dtype fp32 --tp 1 --vocab 16384 --hidden 256 "
+        "--tokens 1024 --chunk 256 --chunks 512 --paths megatron,fused --memory fresh --repeats 1",
+    ).split(), pattern=rf"^(fused / megatron|chunk +\d+): (?:fused )?time {NUMBER}x, "
+                       rf"peak.*?{NUMBER}x")
     if {what[:5] for what, *_ in rows} != {"fused", "chunk"}:
         raise Failed("bench/loss_fused.py printed no 'fused / megatron' and 'chunk' lines")
     for what, time_ratio, peak in rows:
-        kind = what[:5]
-        name = what.replace(" ", "") if kind == "chunk" else "fused_over_megatron"
-        c.below(f"{name}_time", float(time_ratio), f"{kind}_time")
-        c.below(f"{name}_peak", float(peak), f"{kind}_peak")
+        chunk = what.startswith("chunk")
+        name = what.replace(" ", "") if chunk else "fused_over_megatron"
+        c.below(f"{name}_time", float(time_ratio), 1.00, 3)  # megatron's time at most
+        # peak with .grad fresh (ZeRO 2/3): the goal, 0.10; a 4096-token chunk: a quarter
+        # of the 16384 tokens' logits, twice over
+        c.below(f"{name}_peak", float(peak), 0.50 if chunk else 0.10, 1)
 
 
 def check_bench_train_step(c: Check) -> None:
-    pattern = rf"^(mle|del) +{NUMBER} +{NUMBER}x +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER}\s*$"
-    rows = {kind: [float(v) for v in values] for kind, *values in bench(c, "step", pattern)}
-    if set(rows) != {"mle", "del"}:  # each: step ms, ratio, tokens/s, TFLOP/s, MFU, numeric
+    """A training step of a 4-layer model at 7B widths: DEL over MLE, tokens/s, MFU."""
+    rows = c.run(sys.executable, *c.pick(
+        "bench/train_step.py --gpu-7b --steps 6",
+        "-m torch.distributed.run --standalone --nproc-per-node=2 bench/train_step.py --steps 1",
+    ).split(), pattern=rf"^(mle|del) +{NUMBER} +{NUMBER}x +{NUMBER} +{NUMBER} +{NUMBER} +"
+                       rf"{NUMBER}\s*$")  # step ms, ratio, tokens/s, TFLOP/s, MFU, numeric
+    rows = {kind: [float(v) for v in values] for kind, *values in rows}
+    if set(rows) != {"mle", "del"}:
         raise Failed("bench/train_step.py printed no 'mle' and 'del' rows")
     if not (math.isnan(rows["mle"][5]) and rows["del"][5] > 0):  # MLE has no numeric term
         raise Failed(f"bench/train_step.py: numeric term {rows['mle'][5]} (mle), "
                      f"{rows['del'][5]} (del): the two variants ran the same loss")
-    c.below("del_over_mle", rows["del"][0] / rows["mle"][0], "del_over_mle")
+    c.below("del_over_mle", rows["del"][0] / rows["mle"][0], 1.03, 3)
     c.within("tokens_per_s_del", rows["del"][2], lo=1)
-    if c.mode.bounds["mfu"] is not None:
-        c.within("mfu_del", rows["del"][4], c.mode.bounds["mfu"], 1)
+    if c.mode.device == "cuda":  # a floor (host syncs, fp32 math); no CPU peak to judge
+        c.within("mfu_del", rows["del"][4], 0.20, 1)
 
 
 # name, function, estimate on one H200 (s), time limit (s); a TP 2 check needs 2 GPUs. Not
@@ -453,20 +438,59 @@ PLAN = [
     ("train-fused-tp2", lambda c: check_train(c, 2, True), 40, 240),
     ("stop-resume-tp2", lambda c: check_stop_resume(c, 2), 70, 300),
     ("init-hf", check_init_hf, 50, 240),
-    ("del-eval", check_del_eval, 40, 240),
+    ("del-eval", lambda c: evaluate_with_export(c, c.work / "train-tp1/checkpoints" /
+                                                 f"step-{c.mode.steps:07d}", "eval"), 40, 240),
     ("bench-hook-ce", check_bench_hook, 20, 120),
     ("bench-fused", check_bench_fused, 55, 240),  # five processes
     ("bench-train-step", check_bench_train_step, 50, 240),
 ]
+BLOCKING = ("install", "env")  # when one fails, the later checks are skipped
 
 
 def plan_for(gpus: int) -> list[tuple]:
     return [check for check in PLAN if gpus >= 2 or not check[0].endswith("-tp2")]
 
 
+def run_plan(plan: list[tuple], mode: Mode, work: Path, env: dict, record=print) -> list[dict]:
+    """The checks in order; record(rows) after each (a run cut short keeps its rows)."""
+    rows, blocked = [], None
+    for i, (name, function, estimate, limit) in enumerate(plan, 1):
+        print(f"[{i:2d}/{len(plan)}] {name:21s} ~{estimate:3d} s  ", end="", flush=True)
+        c = Check(name, mode, work, env, time.monotonic() + limit * mode.slowdown)
+        start = time.monotonic()
+        try:
+            status, note = ("skipped", f"the {blocked} check failed") if blocked else (
+                "pass", function(c) or "")
+        except Failed as err:
+            status, note = "fail", str(err)
+        except Exception as err:  # our bug: the row names it, the log has the traceback
+            with (work / "logs" / f"{name}.log").open("a") as f:
+                f.write(traceback.format_exc())
+            status, note = "fail", f"{type(err).__name__}: {err}"
+        blocked = blocked or (name if status == "fail" and name in BLOCKING else None)
+        seconds = round(time.monotonic() - start, 1)
+        print(f"{status} ({seconds} s)" + (f": {note}" if status != "pass" else ""))
+        rows.append({"name": name, "status": status, "seconds": seconds,
+                     "estimate_s": estimate, "note": note, "figures": c.figures})
+        record(rows)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """A line a check: name, status, seconds, estimate, its note and figures."""
+    lines = [f"{'check':21s} {'status':7s} {'s':>6s} {'est':>4s}  note; figures"]
+    for r in rows:
+        figures = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in r["figures"].items())
+        lines.append(f"{r['name']:21s} {r['status']:7s} {r['seconds']:6.1f} {r['estimate_s']:4d}"
+                     "  " + "; ".join(filter(None, [r["note"], figures])))
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fail", "skipped")}
+    return "\n".join([*lines, "{pass} passed, {fail} failed, {skipped} skipped".format(**counts)])
+
+
 def probe_env(device: str) -> dict:
-    """Versions, and what decides the GPU paths (issue 25 item 10): which product forms the
-    fused op's weight gradient, Transformer Engine, flash SDPA."""
+    """(In a child.) Versions, and what decides the GPU paths (issue 25 item 10): the product
+    that forms the fused op's weight gradient, Transformer Engine, flash SDPA."""
     import importlib
 
     import torch
@@ -478,14 +502,12 @@ def probe_env(device: str) -> dict:
     select_accelerator(dev)  # before DeepSpeed is imported
     addmm = addmm_out_dtype_supported(dev, torch.bfloat16)
     facts = {"python": sys.version.split()[0], "torch": torch.__version__,
-             "cuda": torch.version.cuda, "addmm_out_dtype": addmm, "transformer_engine": None,
+             "cuda": torch.version.cuda, "transformer_engine": None,
              "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
              "fused_weight_grad": ("addmm(out_dtype=float32)" if addmm else
                                    "float32 product of upcast chunks (slower)") + " in bf16"}
-    modules = ["megatron.core", "deepspeed", "transformers", "pydantic", "webdataset"]
-    if transformer_engine_available():
-        modules.append("transformer_engine")
-    for module in modules:
+    te = ["transformer_engine"] if transformer_engine_available() else []
+    for module in ["megatron.core", "deepspeed", "transformers", "pydantic", "webdataset", *te]:
         facts[module.split(".")[0]] = importlib.import_module(module).__version__
     if dev.type == "cuda":
         from deepspeed.accelerator import get_accelerator
@@ -498,87 +520,9 @@ def probe_env(device: str) -> dict:
         except RuntimeError:
             q = None
         facts.update(gpu=torch.cuda.get_device_name(dev), flash_sdpa=q is not None,
-                     nccl=".".join(map(str, torch.cuda.nccl.version())),  # a tuple (torch>=2.1)
+                     nccl=".".join(map(str, torch.cuda.nccl.version())),
                      deepspeed_accelerator=get_accelerator()._name)
     return facts
-
-
-def tiny_qwen2(out: Path, tokenizer: Path) -> None:
-    """A random Qwen2ForCausalLM with tied embeddings in the tiny config's shape, saved by the
-    installed transformers with the run's tokenizer beside it."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)).float().eval()
-    with torch.no_grad():  # non-trivial norms and biases, so that a dropped one shows
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(out)
-    shutil.copy(tokenizer, out / "tokenizer.model")
-
-
-
-def run_plan(plan: list[tuple], mode: Mode, work: Path, env: dict, record=print) -> list[dict]:
-    """The checks in order; record(rows) after each (a run cut short keeps its rows)."""
-    rows, blocked = [], None
-    for i, (name, function, estimate, limit) in enumerate(plan, 1):
-        print(f"[{i:2d}/{len(plan)}] {name:21s} ~{estimate:3d} s  ", end="", flush=True)
-        c = Check(name, mode, work, env, time.monotonic() + limit * mode.slowdown)
-        start = time.monotonic()
-        try:
-            if blocked:
-                raise Skipped(f"the {blocked} check failed")
-            status, note = "pass", function(c) or ""
-        except (Failed, Skipped) as err:
-            status, note = "skipped" if isinstance(err, Skipped) else "fail", str(err)
-        except Exception as err:  # our bug: the row names it, the log has the traceback
-            with (work / "logs" / f"{name}.log").open("a") as f:
-                f.write(traceback.format_exc())
-            status, note = "fail", f"{type(err).__name__}: {err}"
-        blocked = blocked or (name if status == "fail" and name in ("install", "env") else None)
-        seconds = round(time.monotonic() - start, 1)
-        print(f"{status} ({seconds} s)" + (f": {note}" if status != "pass" else ""))
-        rows.append({"name": name, "status": status, "seconds": seconds,
-                     "estimate_s": estimate, "note": note, "figures": c.figures})
-        record(rows)
-    return rows
-
-
-def table(rows: list[dict]) -> str:
-    lines = [f"{'check':21s} {'status':7s} {'s':>6s} {'est':>4s}  note; figures"]
-    for r in rows:
-        figures = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                            for k, v in r["figures"].items())
-        text = textwrap.wrap("; ".join(filter(None, [r["note"], figures])), 76) or [""]
-        lines.append(f"{r['name']:21s} {r['status']:7s} {r['seconds']:6.1f} "
-                     f"{r['estimate_s']:4d}  {text[0]}")
-        lines += [" " * 43 + line for line in text[1:]]
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fail", "skipped")}
-    return "\n".join([*lines, "{pass} passed, {fail} failed, {skipped} skipped".format(**counts)])
-
-
-def listed_gpus() -> int:
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(line.startswith("GPU") for line in out.stdout.splitlines())
-
-
-def usable_gpus() -> int:
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__, "
-                            "torch.cuda.device_count() if torch.cuda.is_available() else 0)"],
-                           capture_output=True, text=True, timeout=300, check=False)
-    if probe.returncode:
-        raise SystemExit(f"gpu_acceptance: {sys.executable} cannot import torch: "
-                         f"{failure_line(probe.stderr)}")
-    version, seen = probe.stdout.split()[-2:]
-    return gpus_to_use(listed_gpus(), int(seen), version)
 
 
 def gpus_to_use(listed: int, seen: int, torch_version: str) -> int:
@@ -593,35 +537,53 @@ def gpus_to_use(listed: int, seen: int, torch_version: str) -> int:
     return seen
 
 
+def usable_gpus() -> int:
+    """What nvidia-smi lists and this interpreter's torch sees (in a child, whose warnings and
+    CUDA state stay there)."""
+    try:
+        smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+        listed = sum(line.startswith("GPU") for line in smi.stdout.splitlines())
+    except (OSError, subprocess.TimeoutExpired):
+        listed = 0
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__, "
+                            "torch.cuda.device_count() if torch.cuda.is_available() else 0)"],
+                           capture_output=True, text=True, timeout=300, check=False)
+    if probe.returncode:
+        raise SystemExit(f"gpu_acceptance: {sys.executable} cannot import torch: "
+                         f"{failure_line(probe.stderr)}")
+    version, seen = probe.stdout.split()[-2:]
+    return gpus_to_use(listed, int(seen), version)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="the wiring, on the CPU")
     parser.add_argument("--plan", action="store_true", help="print the checks and estimates")
     parser.add_argument("--probe-env", metavar="DEVICE", help=argparse.SUPPRESS)
-    parser.add_argument("--tiny-qwen2", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe_env:  # a check's input
         return print(json.dumps(probe_env(args.probe_env))) or 0
-    if args.tiny_qwen2:
-        return tiny_qwen2(*args.tiny_qwen2) or 0
-    mode, gpus = (CPU, 1) if args.cpu_smoke else (GPU, 1 if args.plan else usable_gpus())
-    plan = plan_for(max(gpus, listed_gpus()) if args.plan else gpus)
+    mode = CPU if args.cpu_smoke else GPU
+    gpus = 1 if args.cpu_smoke or args.plan else usable_gpus()
+    plan = plan_for(gpus)
     estimate = sum(check[2] for check in plan)
     print(f"gpu_acceptance: {'CPU smoke' if args.cpu_smoke else f'{gpus} GPU(s)'}, "
           f"{len(plan)} checks, estimate {estimate} s on H200s (budget {BUDGET_S} s on one)")
-    if args.plan:
-        return print("\n".join(f"  {n:21s} ~{e:3d} s, limit {lim * mode.slowdown} s"
-                               for n, _, e, lim in plan)) or 0
+    if args.plan:  # PLAN's every check, those of two or more GPUs marked
+        for check in PLAN:
+            print(f"  {check[0]:21s} ~{check[2]:3d} s, limit {check[3] * mode.slowdown} s"
+                  + ("" if check in plan else " (2+ GPUs)"))
+        return 0
     work = Path(tempfile.mkdtemp(prefix="gpu-acceptance."))
-    (work / "logs").mkdir()
     out = Path(os.environ.get("OUT") or work)
+    (work / "logs").mkdir()
     out.mkdir(parents=True, exist_ok=True)
     site = os.environ.get("DEL_SITE", "/tmp/del-site-py{}.{}".format(*sys.version_info[:2]))
     path = os.pathsep.join(filter(None, [str(ROOT), site, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "DEL_SITE": site, "DEL_PYTHON": sys.executable, "PYTHONPATH": path,
            "PATH": f"{site}/bin{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1",
            "PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning"}
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # Check.run then stops its command
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # Check.spawn stops its command
     started = time.monotonic()
 
     def record(rows: list[dict]) -> None:  # the JSON and the logs so far, replaced atomically

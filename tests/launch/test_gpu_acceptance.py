@@ -18,6 +18,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from del_megatron.collectives import ON_ONE_RANK
+
 from ..distributed.launcher import ROOT
 
 SCRIPT = ROOT / "bench" / "gpu_acceptance.sh"
@@ -70,25 +72,27 @@ def test_the_plan_fits_8_minutes_on_one_h200(tmp_path):
     out = run_script(tmp_path, "exit 6", "--plan")  # prints the estimates; no GPU needed
     assert out.returncode == 0, out.stderr
     assert "budget 480 s" in out.stdout and "train-tp1             ~ 90 s" in out.stdout
+    assert "stop-resume-tp2       ~ 70 s, limit 300 s (2+ GPUs)" in out.stdout
 
 
 # ---- the checks' assertions, the commands replaced ----------------------------------------
 
 
 def check(tmp_path, mode=acc.CPU, outputs=(), actions=None, seconds=60.0):
-    """A Check whose commands return `outputs` in turn; actions[i](cmd) writes what the i-th
-    command would have written."""
+    """A Check whose commands print `outputs` in turn (exit 0, or 75 when asked to stop, as
+    launch/torchrun.sh); actions[i](cmd) writes what the i-th command would have written.
+    Check.run's own judging (exit status, the figures a pattern finds) stays."""
     (tmp_path / "logs").mkdir(exist_ok=True)
     c = acc.Check("t", mode, tmp_path, dict(os.environ), time.monotonic() + seconds)
     outputs, calls = list(outputs), []
 
-    def run(*cmd, ok=(0,), env=None, stop_when=None):
+    def spawn(cmd, env, stop_when):
         calls.append((cmd, env))
         if actions and len(calls) - 1 in actions:
             actions[len(calls) - 1](cmd)
-        return outputs.pop(0) if outputs else ""
+        return 75 if stop_when else 0, outputs.pop(0) if outputs else ""
 
-    c.run, c.calls = run, calls
+    c.spawn, c.calls = spawn, calls
     return c
 
 
@@ -96,8 +100,8 @@ def verdict(function, c) -> str:
     """'pass', or the note of the row it would make."""
     try:
         function(c)
-    except (acc.Failed, acc.Skipped) as err:
-        return f"{type(err).__name__}: {err}"
+    except acc.Failed as err:
+        return f"Failed: {err}"
     return "pass"
 
 
@@ -185,20 +189,32 @@ def test_stop_and_resume(tmp_path, bump, stop_step, expected):
     assert (result == "pass") if expected == "pass" else (expected in result), result
 
 
-def test_one_rank_collectives(tmp_path, monkeypatch):
-    write_run(tmp_path, "train-tp1", 8)
-    monkeypatch.setattr(acc, "ONE_RANK_SWITCH", "NOT_READ_ANYWHERE_" + "X" * 8)
-    assert verdict(acc.check_one_rank_collectives, check(tmp_path)).startswith("Skipped")
-    monkeypatch.setattr(acc, "ONE_RANK_SWITCH", "CUDA_DEVICE_MAX_CONNECTIONS")  # one we read
+@pytest.mark.parametrize(("change", "bump", "expected"), [
+    (None, 0.0, "pass"),
+    (lambda r: r.update(loss=r["loss"] + 1e-6), 0.0, "loss_max_rel_diff"),  # CPU: bit-equal
+    (None, 1e-6, "weights_max_abs_diff"),
+])
+def test_one_rank_collectives(tmp_path, change, bump, expected):
+    """The run with our collectives on one-rank groups is train-tp1's command again but for
+    its output directory: a shorter run (before: train.steps=3) has another learning-rate
+    schedule, and its losses differed from the straight run's at step 3 (0.069, CPU smoke)."""
+    assert acc.ONE_RANK_SWITCH == ON_ONE_RANK  # the switch del_megatron/collectives.py reads
+    straight = check(tmp_path, actions={0: lambda cmd: write_run(tmp_path, "train-tp1", 8)})
+    assert verdict(lambda c: acc.check_train(c, 1, False), straight) == "pass"
+    write_weights(tmp_path / "train-tp1", 8)
 
-    def one_rank(change):
-        return {0: lambda cmd: write_run(tmp_path, "one-rank", 3, change)}
+    def one_rank(cmd):
+        write_run(tmp_path, "one-rank", 8, change)
+        write_weights(tmp_path / "one-rank", 8, bump)
 
-    c = check(tmp_path, actions=one_rank(None))
-    assert verdict(acc.check_one_rank_collectives, c) == "pass"
-    assert c.calls[0][1]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    c = check(tmp_path, actions=one_rank(lambda r: r.update(loss=r["loss"] + 1e-6)))
-    assert "loss_max_rel_diff" in verdict(acc.check_one_rank_collectives, c)  # CPU: bit-equal
+    c = check(tmp_path, actions={0: one_rank})
+    result = verdict(acc.check_one_rank_collectives, c)
+    assert (result == "pass") if expected == "pass" else (expected in result), result
+    (command, env), = c.calls
+    assert env[ON_ONE_RANK] == "1"
+    train_tp1, one = ([word for word in cmd if not word.startswith("output_dir=")]
+                      for cmd in (straight.calls[0][0], command))
+    assert one == train_tp1
 
 
 def write_eval(tmp_path: Path, name: str, loss: float, tied: bool = True) -> None:
@@ -218,12 +234,17 @@ def write_eval(tmp_path: Path, name: str, loss: float, tied: bool = True) -> Non
 @pytest.mark.parametrize(("loss", "tied", "expected"), [
     (4.0, True, "pass"), (4.01, True, "loss_rel_diff"), (4.0, False, "lm_head.weight")])
 def test_init_hf_and_del_eval(tmp_path, loss, tied, expected):
-    c = check(tmp_path, actions={2: lambda cmd: write_eval(tmp_path, "init-hf", loss, tied)})
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "tokenizer.model").write_bytes(b"sentencepiece")
+    c = check(tmp_path, actions={0: lambda cmd: (tmp_path / "qwen2").mkdir(),
+                                 2: lambda cmd: write_eval(tmp_path, "init-hf", loss, tied)})
     result = verdict(acc.check_init_hf, c)
     assert (result == "pass") if expected == "pass" else (expected in result), result
+    assert "tiny_hf_model('qwen2-tied'" in c.calls[0][0][-1]  # tests/models/tiny_hf.py's
     if tied:
         c = check(tmp_path, actions={0: lambda cmd: write_eval(tmp_path, "eval", loss)})
-        assert (verdict(acc.check_del_eval, c) == "pass") == (expected == "pass")
+        del_eval = dict((name, function) for name, function, *_ in acc.PLAN)["del-eval"]
+        assert (verdict(del_eval, c) == "pass") == (expected == "pass")
 
 
 # What the benchmarks print, from their own format strings (bench/loss_tp.py,
@@ -350,3 +371,12 @@ def test_install_checks_each_wheels_dependencies(tmp_path, monkeypatch):
     with pytest.raises(acc.Failed, match="pyproject.toml needs acc-needs-typing>=2, has 1.0"):
         acc.check_install(c)
     assert c.figures["installed"] == []
+
+
+def test_an_older_python_fails_the_install_row(tmp_path, monkeypatch):
+    """An image whose Python is older than pyproject.toml's 3.11: the install row says so (the
+    rest is skipped), where an ImportError of tomllib would have ended the run unrecorded."""
+    monkeypatch.setattr(sys, "version_info", (3, 10, 12, "final", 0))
+    c = acc.Check("install", acc.CPU, tmp_path, {"DEL_SITE": str(tmp_path)}, time.monotonic())
+    with pytest.raises(acc.Failed, match=r"the project needs >= 3.11 \(pyproject.toml\)"):
+        acc.check_install(c)
