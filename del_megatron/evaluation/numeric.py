@@ -83,10 +83,10 @@ def _digit_rows(
     place, is_slot = grouped_places(classes, count, m)  # [b, s, m]
     numbers = _number_ids(classes, number_runs(classes).decimal_point)
     slot = torch.arange(m, device=flat.device)
-    offset = slot_offset(count.unsqueeze(-1), slot).flatten()  # [N * m], in range for all
+    offset = slot_offset(count.unsqueeze(-1), slot).reshape(-1, m)  # [N, m], in range for all
     token = rows.repeat_interleave(m)
     slots = SlotSets(offset, *vocab.slot_sets(flat.device))
-    class_logits = slot_class_logits(set_logits.index_select(0, token), slots)  # [N * m, 10]
+    class_logits = slot_class_logits(set_logits, slots)  # [N * m, 10], row r: token r // m
     is_digit = is_slot.flatten()
     return _DigitRows(
         is_digit,
