@@ -168,11 +168,12 @@ def final_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def effect_tables(rows: list[dict]) -> tuple[str, list[str]]:
-    """The markdown tables of differences to MLE, and one line per interval excluding 0."""
+def effect_tables(rows: list[dict]) -> tuple[str, list[str], int]:
+    """The markdown tables of differences to MLE, one line per interval excluding 0, and how
+    many intervals could (from MIN_PAIRS pairs)."""
     kinds = [k for k in _order(r["kind"] for r in rows) if k != BASELINE]
     tasks = _order(r["task"] for r in rows)
-    lines, notes = [], []
+    lines, notes, tested = [], [], 0
     for metric, label, fmt in EFFECTS:
         table = effects(rows, metric)
         lines += [
@@ -190,8 +191,9 @@ def effect_tables(rows: list[dict]) -> tuple[str, list[str]]:
                 for kind in kinds
                 if table[task, kind].excludes_zero
             ]
+            tested += sum(table[task, k].n >= MIN_PAIRS for k in kinds)
         lines.append("")
-    return "\n".join(lines), notes
+    return "\n".join(lines), notes, tested
 
 
 def curve(
@@ -321,10 +323,16 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 def report(rows: list[dict], *, protocol: dict, command: str, minutes: float) -> str:
     from .results_page import machine
 
-    effect_md, notes = effect_tables(rows)
+    effect_md, notes, tested = effect_tables(rows)
     last = max(r["step"] for r in rows)
     took = "" if math.isnan(minutes) else f"{minutes:.0f} minutes on "
     noted = "\n".join(f"* {n}" for n in notes) or "* none: no interval excludes 0"
+    # many intervals at 95% each: some exclude 0 by chance alone, so say how many to expect
+    chance = (
+        f"{len(notes)} of {tested} intervals exclude 0; with no real difference anywhere, "
+        f"about {tested / 20:.0f} would by chance alone (5% each). A single **✱** is a lead; "
+        "the same effect on several tasks, or far from 0, is a finding."
+    )
     return f"""# Numeric tasks: every loss kind against MLE
 
 `{command}`, {datetime.date.today()}, {took}{machine()}.
@@ -337,6 +345,8 @@ everything from raw_runs.jsonl: `python -m del_megatron.evaluation.task_report
 raw_runs.jsonl --out DIR`.
 
 ## Where an interval excludes 0
+
+{chance}
 
 {noted}
 

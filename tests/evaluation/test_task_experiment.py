@@ -138,6 +138,11 @@ def test_report_intervals_from_the_raw_rows(tmp_path):
     # del - mle on copy is exactly 0.1 at every seed: an interval of width 0, excluding 0
     assert "* del vs mle on copy, digit accuracy: +0.100 [+0.100, +0.100] **✱**" in text
     assert "del vs mle on noisy" not in text.split("## Final metrics")[0]
+    # the chance line counts every interval of 3 pairs (2 tasks x 1 kind x 5 metrics) and the
+    # ones that exclude 0, the listed lines
+    section = text.split("## Where an interval excludes 0")[1].split("## Final metrics")[0]
+    listed = sum(line.startswith("* ") and line.endswith("**✱**") for line in section.splitlines())
+    assert f"{listed} of 10 intervals exclude 0; with no real difference anywhere, about 0" in text
     assert "| copy | 2 (3/3) |" not in text  # steps to 0.8 depend on the seed noise
     for plot in ("curves.png", "effects.png", "entropy.png"):
         assert (out / plot).stat().st_size > 1000
