@@ -224,9 +224,10 @@ def read_saved(states: Any) -> SavedState | None:
     """data_state.json as one record per data-parallel rank, every rank of the saved layout
     present (None: no loader state): a saved_file record, or the list of per-rank states (one
     per global rank: tensor-parallel peers save the same one) written before it; one line for
-    a file that is not what we write. A SavedState is returned as it is (read already)."""
-    if isinstance(states, SavedState):
-        return states
+    a file that is not what we write. A SavedState, or None, is returned as it is (read
+    already: checkpoint.data_state's answer)."""
+    if states is None or isinstance(states, SavedState):
+        return states  # read already (None: a checkpoint without loader state)
     if isinstance(states, dict) and "version" in states:
         if states == NO_LOADER:
             return None
