@@ -93,6 +93,12 @@ class TrainConfig(_Section):
     steps, 12 bytes a parameter, each rank writing its own ZeRO slice), which resumes at any
     tensor-parallel, data-parallel and ZeRO layout (docs/checkpoints.md); false: DeepSpeed's
     own state instead (16 bytes a parameter), which resumes at the saved layout only."""
+    background_checkpoints: bool = True
+    """Write a checkpoint's files behind training: the step waits only for the copy of this
+    rank's part of the state to host memory (host memory: one checkpoint's part, at most one
+    save in flight), and the checkpoint appears once every rank's files are on the disk
+    (docs/checkpoints.md). false: the step waits for the write. DeepSpeed's own state
+    (layout_free_checkpoints=false) is always written while training waits."""
     max_nonfinite_steps: int = Field(default=5, gt=0)
     """Stop after this many optimizer steps in a row with non-finite loss or gradients
     (each is skipped by the ZeRO optimizer: no update, no schedule step)."""

@@ -1,9 +1,11 @@
 """Checkpoints that a crash cannot corrupt, and exact resume (layout: docs/checkpoints.md).
 
 Everything of a checkpoint is written under `checkpoints/.tmp-step-NNNNNNN/` and the
-directory is renamed to `step-NNNNNNN/` by rank 0 once every rank has finished: a directory
-with a final name is always complete, and a killed save leaves only a `.tmp-` directory that
-resume ignores (and removes).
+directory is renamed to `step-NNNNNNN/` by rank 0 once every rank has written and flushed
+its files (`publish`): a directory with a final name is always complete, and a killed save
+leaves only a `.tmp-` directory that resume ignores (and removes). The files are written
+behind training (training/checkpoint_writer.py): the step waits for the collectives and the
+copy of this rank's part to host memory only.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import pickle
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,8 @@ from ..data import DataError, StreamingLoader
 from ..data.state import SavedState, rank_record, read_saved, saved_file
 from ..errors import UserError, one_line
 from ..outputs import free_bytes, is_no_space, no_space
-from . import checkpoint_files, layout_free
+from . import checkpoint_files, checkpoint_writer, layout_free
+from . import schedule as schedule_file
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -53,14 +57,40 @@ def _versions() -> dict[str, str]:
     }
 
 
-def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> Path:
-    """Write a complete checkpoint of step `step` and keep the newest `keep`. A disk without
-    room for it is one line on every rank (CheckpointError: exit status 2), checked before
-    the first byte is written; a disk that fills during the save anyway is one line too."""
+@dataclass
+class PendingSave:
+    """A checkpoint whose files are being written (training/checkpoint_writer.py): `publish`
+    makes it a checkpoint once every rank's writer has finished."""
+
+    step: int
+    tmp: Path  # .tmp-step-NNNNNNN: what resume ignores
+    final: Path
+    keep: int
+    needed: int  # bytes, for the line of a disk that fills during the write
+    writing: checkpoint_writer.Writing
+
+
+def save(
+    run: Any,
+    step: int,
+    loader: StreamingLoader | None,
+    *,
+    keep: int,
+    previous: PendingSave | None = None,
+) -> PendingSave:
+    """Start the checkpoint of step `step` (every rank): the previous save is published
+    first (a save waits for the one before it), then this rank's part of the state is copied
+    to host memory and its files are written behind training when
+    train.background_checkpoints (else now); `publish` completes it, and keeps the newest
+    `keep`. A disk without room for it is one line on every rank (CheckpointError: exit
+    status 2), checked before the first byte is written; a disk that fills during the
+    write anyway is one line too, at `publish`."""
+    if previous is not None:
+        publish(run, previous)
     root = root_of(run.cfg.output_dir)
     needed = check_space(run, root)
     try:
-        return _write(run, step, loader, keep=keep)
+        return _start(run, step, loader, keep=keep, needed=needed)
     except Exception as err:  # torch.save and DeepSpeed wrap the OSError in RuntimeError
         if is_no_space(err):
             raise CheckpointError(str(no_space(root, needed))) from None
@@ -95,7 +125,11 @@ def check_space(run: Any, root: Path) -> int:
     return needed
 
 
-def _write(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> Path:
+def _start(
+    run: Any, step: int, loader: StreamingLoader | None, *, keep: int, needed: int
+) -> PendingSave:
+    """The training thread's half of a save: every collective, and a host copy of what this
+    rank writes; the files are written by the returned save's writer."""
     root = root_of(run.cfg.output_dir)
     name = f"{PREFIX}{step:07d}"
     tmp, final = root / (TMP_PREFIX + name), root / name
@@ -103,68 +137,140 @@ def _write(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) ->
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     collectives.barrier()
+    (tmp / "rng").mkdir(exist_ok=True)
     # one copy of the optimizer state: the layout-free one (read at every layout), or with
-    # train.layout_free_checkpoints=false DeepSpeed's own (read at the saved layout only)
+    # train.layout_free_checkpoints=false DeepSpeed's own (read at the saved layout only),
+    # which DeepSpeed writes now: such a save is not written behind training
+    background = run.cfg.train.background_checkpoints
     if run.cfg.train.layout_free_checkpoints:
-        hashed = _save_layout_free(run, tmp)
+        jobs = [_layout_free_job(run, tmp)]
     else:
         run.engine.save_checkpoint(
             str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step}, save_latest=False
         )
-        hashed = {}
-    _save_weights(run, tmp)
-    rng = tmp / "rng"
-    rng.mkdir(exist_ok=True)
-    torch.save(rng_state(run.device), rng / f"rank{run.rank:05d}.pt")
-    _save_data_state(run, tmp, loader)
+        jobs, background = [], False
+    jobs += [_weights_job(run, tmp), _rng_job(run, tmp), _data_state_job(run, tmp, loader)]
     if run.is_main:
-        (tmp / "run_config.yaml").write_text(dump_run_config(run.cfg))
-        meta = {
-            "step": step,
-            "world_size": run.world,
-            "data_parallel": run.dp_size,
-            "tensor_parallel": run.cfg.parallel.tensor_parallel,
-            "zero_stage": run.cfg.parallel.zero_stage,
-            "layout_free": run.cfg.train.layout_free_checkpoints,
-            "tokens": step * run.cfg.train.global_batch_size * run.cfg.train.seq_len,
-            "tokenizer": run.tokenizer.fingerprint,
-            "versions": _versions(),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if run.schedule is not None:
-            run.schedule.save(tmp)  # a resume follows the same function (training/schedule.py)
-    collectives.barrier()
-    checkpoint_files.write_index(tmp, hashed, run.rank, run.world)  # gathers: a barrier
+        jobs.append(_record_job(run, tmp, step))
+    directories = [tmp, tmp / layout_free.OPTIM, tmp / "model", tmp / "rng"]
+    writing = checkpoint_writer.start(
+        [job for job in jobs if job is not None], directories, background=background
+    )
+    return PendingSave(step, tmp, final, keep, needed, writing)
+
+
+def publish(run: Any, pending: PendingSave, *, last: bool = False) -> Path:
+    """Wait for this rank's writer, agree that every rank's files are written, then write
+    files.json and rename `.tmp-step-N` to `step-N` (rank 0), flush the rename and drop the
+    checkpoints beyond the newest `keep` (deleted behind training unless `last`, the run's
+    last save, or the save was not written in the background). Every rank calls it at the
+    same step (the loop does when the step's agreement says no rank is still writing). A
+    failed write is one line on every rank (the rank whose write failed with a bug of ours
+    raises it)."""
+    root = pending.final.parent
+    entries, failure, problem = {}, None, None
+    try:
+        entries = pending.writing.result()
+    except Exception as err:
+        failure = err
+        if is_no_space(err):
+            problem = str(no_space(root, pending.needed))
+        else:
+            problem = f"{pending.tmp}: writing the checkpoint failed ({one_line(err)[:300]})"
+    problems = [p for p in collectives.all_gather_object(problem) if p]
+    if problems:
+        if failure is not None and not isinstance(failure, OSError) and not is_no_space(failure):
+            raise failure
+        raise CheckpointError(problems[0])
+    checkpoint_files.write_index(pending.tmp, entries, run.rank, run.world)  # gathers
     if run.is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in complete_checkpoints(root)[:-keep] if keep else []:
+        if pending.final.exists():
+            shutil.rmtree(pending.final)
+        os.replace(pending.tmp, pending.final)
+        checkpoint_writer.sync_directory(root)  # the rename on the disk: then it counts
+        doomed = []
+        for old in complete_checkpoints(root)[: -pending.keep] if pending.keep else []:
             # out of the final namespace first (atomic), then delete: a kill mid-delete
-            # leaves a .tmp- directory, never a half-deleted step-N
-            doomed = root / (TMP_PREFIX + "old-" + old.name)
-            os.replace(old, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            # leaves a .tmp- directory (the next start removes it), never a half-deleted
+            # step-N
+            doomed.append(root / (TMP_PREFIX + "old-" + old.name))
+            os.replace(old, doomed[-1])
+        behind = pending.writing.thread is not None and not last
+        checkpoint_writer.remove(doomed, background=behind)
     collectives.barrier()
-    return final
+    return pending.final
 
 
-def _save_weights(run: Any, directory: Path) -> None:
+def _record_job(run: Any, directory: Path, step: int) -> checkpoint_writer.Job:
+    """meta.json, run_config.yaml and the schedule (rank 0), as text now."""
+    meta = {
+        "step": step,
+        "world_size": run.world,
+        "data_parallel": run.dp_size,
+        "tensor_parallel": run.cfg.parallel.tensor_parallel,
+        "zero_stage": run.cfg.parallel.zero_stage,
+        "layout_free": run.cfg.train.layout_free_checkpoints,
+        "tokens": step * run.cfg.train.global_batch_size * run.cfg.train.seq_len,
+        "tokenizer": run.tokenizer.fingerprint,
+        "versions": _versions(),
+    }
+    texts = {"run_config.yaml": dump_run_config(run.cfg), "meta.json": json.dumps(meta, indent=1)}
+    if run.schedule is not None:  # a resume follows the same function (training/schedule.py)
+        texts[schedule_file.FILE] = run.schedule.text()
+
+    def write() -> dict[str, dict[str, Any]]:
+        entries = {}
+        for relative, text in texts.items():
+            (directory / relative).write_text(text)
+            entries.update(checkpoint_writer.flushed(directory, relative))
+        return entries
+
+    return write
+
+
+def _rng_job(run: Any, directory: Path) -> checkpoint_writer.Job:
+    """rng/rankNNNNN.pt: this rank's generators as they are now."""
+    state = rng_state(run.device)
+    relative = f"rng/rank{run.rank:05d}.pt"
+
+    def write() -> dict[str, dict[str, Any]]:
+        torch.save(state, directory / relative)
+        return checkpoint_writer.flushed(directory, relative)
+
+    return write
+
+
+def _weights_job(run: Any, directory: Path) -> checkpoint_writer.Job | None:
     """model/tpNN.safetensors from data-parallel rank 0 of each tensor-parallel rank, in the
     training dtype with canonical (local-spec) names, arch.json and the tokenizer: what
-    del-convert megatron-to-hf and init.megatron read, safe to load (safetensors, no pickle)."""
+    del-convert megatron-to-hf and init.megatron read, safe to load (safetensors, no pickle).
+    The host copy is taken now (under ZeRO 3 a gather every data-parallel rank joins)."""
     from megatron.core import parallel_state
 
     from ..models.weight_files import WEIGHTS, write_rank_weights, write_weights_record
 
     weights = host_weights(run.engine.module, run.cfg.parallel.zero_stage == 3, run.dp_rank == 0)
-    if run.dp_rank == 0:
+    if run.dp_rank != 0:
+        return None
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tokenizer = run.cfg.tokenizer_path() if run.is_main else None
+
+    def write() -> dict[str, dict[str, Any]]:
         out = directory / WEIGHTS
         out.mkdir(exist_ok=True)
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        written = [f"{WEIGHTS}/tp{tp_rank:02d}.safetensors"]
         write_rank_weights(out, tp_rank, weights)
         if run.is_main:
-            write_weights_record(out, run.cfg.model, run.cfg.tokenizer_path())
+            write_weights_record(out, run.cfg.model, tokenizer)
+            written.append(f"{WEIGHTS}/arch.json")
+            if tokenizer is not None:
+                written.append(f"{WEIGHTS}/{Path(tokenizer).name}")
+        entries = {}
+        for relative in written:
+            entries.update(checkpoint_writer.flushed(directory, relative))
+        return entries
+
+    return write
 
 
 def host_weights(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, torch.Tensor]:
@@ -177,18 +283,18 @@ def host_weights(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, 
     weights = {}
     for name, param in module.named_parameters():
         with deepspeed.zero.GatheredParameters([param], enabled=zero3):
-            if keep:
-                weights[name] = param.detach().cpu()
+            if keep:  # a copy: the next step changes the parameter (on CPU, in place)
+                weights[name] = param.detach().to("cpu", copy=True)
     return weights
 
 
-def _save_layout_free(run: Any, directory: Path) -> dict[str, Any]:
-    """optim/: this rank's part of the layout-free state (training/layout_free.py); returns
-    its file's size and checksum, taken as it was written."""
+def _layout_free_job(run: Any, directory: Path) -> checkpoint_writer.Job:
+    """optim/: this rank's part of the layout-free state (training/layout_free.py), copied to
+    the host now; the job writes it and returns its files' sizes and checksums."""
     from megatron.core import parallel_state
 
     engine = run.engine
-    return layout_free.save(
+    return layout_free.save_job(
         engine.module,
         engine.optimizer,
         directory,
@@ -210,22 +316,32 @@ def _save_layout_free(run: Any, directory: Path) -> dict[str, Any]:
 DATA_STATE = "data_state.json"
 
 
-def _save_data_state(run: Any, directory: Path, loader: StreamingLoader | None) -> None:
+def _data_state_job(
+    run: Any, directory: Path, loader: StreamingLoader | None
+) -> checkpoint_writer.Job | None:
     """data_state.json (data/state.py's saved_file): the segment with its taken sets once, from
     data-parallel rank 0 (global rank 0, which writes the file), and one record per
-    data-parallel rank, gathered to it from the first tensor-parallel rank of each (its peers
-    hold the same state and send nothing): the bytes gathered grow with the data-parallel
-    size, not the tensor-parallel one, and no rank but the writer receives any."""
+    data-parallel rank, gathered to it now from the first tensor-parallel rank of each (its
+    peers hold the same state and send nothing): the bytes gathered grow with the
+    data-parallel size, not the tensor-parallel one, and no rank but the writer receives
+    any."""
     from megatron.core import parallel_state
 
     if parallel_state.get_tensor_model_parallel_rank() != 0:
-        return
+        return None
     state = loader.state_dict() if loader is not None else None
     records = collectives.gather_object(
         rank_record(state) if state is not None else None, group=run.dp_group
     )
-    if run.is_main:
-        (directory / DATA_STATE).write_text(json.dumps(saved_file(state, records or [])))
+    if not run.is_main:
+        return None
+    text = json.dumps(saved_file(state, records or []))
+
+    def write() -> dict[str, dict[str, Any]]:
+        (directory / DATA_STATE).write_text(text)
+        return checkpoint_writer.flushed(directory, DATA_STATE)
+
+    return write
 
 
 def data_state(path: Path) -> SavedState | None:

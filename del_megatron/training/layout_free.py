@@ -20,21 +20,23 @@ multiple of make_vocab_size_divisible_by x tensor parallel, a number of rows tha
 between layouts: the state keeps only the tokenizer's rows (the model's vocab_size), so what
 is stored is the same whatever the layout, and a load makes the padding rows again, zero.
 
-Saving takes each rank's own fragments (training/fragments.py: no collective; one gather
-of the fragment table for the index) and streams them into its file (`snapshot`, then
-`write_pieces`, which takes host tensors only). Loading maps this rank's new ZeRO range of
-its new shard to runs of the saved shards (`flat_runs`, from `slice_plan` / `vocab_plan`),
-reads only those byte ranges of the fragments holding them (memory-mapped) and sets them
-into the optimizer's own range. Formats 1 and 2 (one file held each parameter's whole shard)
-are still read, through DeepSpeed's `safe_set_full_*`.
+Saving copies each rank's own fragments to the host (training/fragments.py: no collective;
+one gather of the fragment table for the index), then streams them into its file, behind
+training (`save_job`: `snapshot`, then `write_pieces`, which takes host tensors only).
+Loading maps this rank's new ZeRO range of its new shard to runs of the saved shards
+(`flat_runs`, from `slice_plan` / `vocab_plan`), reads only those byte ranges of the
+fragments holding them (memory-mapped) and sets them into the optimizer's own range.
+Formats 1 and 2 (one file held each parameter's whole shard) are still read, through
+DeepSpeed's `safe_set_full_*`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -254,10 +256,10 @@ def _stored_numel(name: str, shape: tuple[int, ...], vocab: int, tp_rank: int) -
 
 def snapshot(module: torch.nn.Module, *, tp_rank: int, vocab_size: int) -> Pieces:
     """This rank's fragments of every trained parameter (`fragments.owned`, cut to the
-    stored elements), master and both moments, on the host: no collective. A replicated
-    parameter is kept by tensor-parallel rank 0's data-parallel ranks only (every
-    tensor-parallel rank holds the same). On CPU the tensors are the optimizer's own (no
-    copy); a write behind training would clone them here."""
+    stored elements), master and both moments, copied to the host: no collective, and
+    nothing the next optimizer step changes (on CPU too, where the optimizer's tensors are
+    host tensors already). A replicated parameter is kept by tensor-parallel rank 0's
+    data-parallel ranks only (every tensor-parallel rank holds the same)."""
     out: Pieces = []
     for name, param in trained_parameters(module):
         span = fragments.owned(param)
@@ -271,7 +273,7 @@ def snapshot(module: torch.nn.Module, *, tp_rank: int, vocab_size: int) -> Piece
             key: fragments.get(param, key)
             .narrow(0, 0, stop - start)
             .detach()
-            .to("cpu", torch.float32)
+            .to("cpu", torch.float32, copy=True)
             for key in KEYS
         }
         out.append((name, start, stop, values))
@@ -286,8 +288,8 @@ def write_pieces(
 ) -> dict[str, Any]:
     """One rank's file: every piece's keys as 1-D float32 tensors "<param>/<key>" (any
     sub-range readable by byte range), then the `buffers` ("<name>/buffer", as shaped),
-    streamed; returns its size and SHA-256, hashed as written. Host tensors in, no
-    collective: the part of a save that could run behind training."""
+    streamed and flushed to the disk; returns its size and SHA-256, hashed as written. Host
+    tensors in, no collective: the part of a save that runs behind training."""
     entries = [
         (f"{name}/{key}", (stop - start,)) for name, start, stop, _ in pieces for key in KEYS
     ]
@@ -300,10 +302,12 @@ def write_pieces(
                 _write_tensor(handle, values[key])
         for _, buffer in buffers:
             _write_tensor(handle, buffer)
+        raw.flush()
+        os.fsync(raw.fileno())  # on the disk before the checkpoint is published
     return handle.entry()
 
 
-def save(
+def save_job(
     module: torch.nn.Module,
     zero: Any,
     directory: Path,
@@ -314,14 +318,17 @@ def save(
     dp_size: int,
     vocab_size: int,
     extra: dict[str, Any],
-) -> dict[str, dict[str, Any]]:
-    """Write this rank's part of `directory/optim/`: its own fragments (no full-tensor
-    collective; one gather of the fragment table, a few bytes a parameter). Every rank must
-    call it; rank 0 (tensor- and data-parallel rank 0) writes the index, with `extra`
-    (schedule, counters) in it. `vocab_size`: the model's (unpadded) vocabulary rows, the
-    ones kept of its vocabulary tensors. Returns {the file's path under `directory`: its
-    size and SHA-256, hashed as written}."""
+) -> Callable[[], dict[str, dict[str, Any]]]:
+    """This rank's part of `directory/optim/`, in two halves. Now (every rank must call it):
+    a host copy of its own fragments (`snapshot`) and one gather of the fragment table, a few
+    bytes a parameter (no full-tensor collective). Returned: the job that writes them, and on
+    rank 0 (tensor- and data-parallel rank 0) the index, with `extra` (schedule, counters) in
+    it — host data only, no collective, so it can run behind training
+    (training/checkpoint_writer.py). `vocab_size`: the model's (unpadded) vocabulary rows,
+    the ones kept of its vocabulary tensors. The job returns {each file's path under
+    `directory`: its size and SHA-256}, the files flushed to the disk."""
     from .. import collectives
+    from .checkpoint_writer import flushed
 
     out = directory / OPTIM
     out.mkdir(exist_ok=True)
@@ -331,12 +338,16 @@ def save(
     pieces = snapshot(module, tp_rank=tp_rank, vocab_size=vocab_size)
     # buffers are the same on every data-parallel rank: data-parallel rank 0 writes them
     buffers = [
-        (name, b.narrow(0, 0, _stored_shape(name, tuple(b.shape), vocab_size, tp_rank)[0]))
+        (
+            name,
+            b.narrow(0, 0, _stored_shape(name, tuple(b.shape), vocab_size, tp_rank)[0]).to(
+                "cpu", copy=True
+            ),
+        )
         for name, b in (saved_buffers(module) if dp_rank == 0 else [])
     ]
     name = file_name(tp_rank, dp_rank)
     metadata = {"format": str(FORMAT), "tensor_parallel_rank": str(tp_rank)}
-    hashed = write_pieces(out / name, pieces, buffers, metadata)
     table = [(n, start, stop) for n, start, stop, _ in pieces]
     where: dict[str, list[dict[str, Any]]] = {n: [] for n, _ in params}
     for tp, dp, held in collectives.all_gather_object((tp_rank, dp_rank, table)):
@@ -344,6 +355,7 @@ def save(
             where[n].append(
                 {"tp": tp, "dp": dp, "start": start, "stop": stop, "file": file_name(tp, dp)}
             )
+    index = None
     if tp_rank == 0 and dp_rank == 0:
         index = {
             "format": FORMAT,
@@ -374,8 +386,15 @@ def save(
             ],
             **extra,
         }
-        (out / INDEX).write_text(json.dumps(index, indent=1))
-    return {f"{OPTIM}/{name}": hashed}
+
+    def write() -> dict[str, dict[str, Any]]:
+        entries = {f"{OPTIM}/{name}": write_pieces(out / name, pieces, buffers, metadata)}
+        if index is not None:
+            (out / INDEX).write_text(json.dumps(index, indent=1))
+            entries.update(flushed(directory, f"{OPTIM}/{INDEX}"))
+        return entries
+
+    return write
 
 
 # ---- load -------------------------------------------------------------------------------

@@ -142,6 +142,7 @@ TABLE: dict[str, Rule] = {
     "train.save_interval": _INTERVAL,
     "train.keep_checkpoints": _INTERVAL,
     "train.layout_free_checkpoints": _INTERVAL,
+    "train.background_checkpoints": _INTERVAL,
     "train.max_nonfinite_steps": _INTERVAL,
     "data.tokenizer": _same("compared by content: another tokenizer is refused"),
     "data.sources": _changes(

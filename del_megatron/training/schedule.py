@@ -67,8 +67,9 @@ class Schedule:
             start_factor=self.factor(step),
         )
 
-    def save(self, directory: Path) -> None:
-        (directory / FILE).write_text(json.dumps(asdict(self)))
+    def text(self) -> str:
+        """The checkpoint's FILE (saved_schedule reads it)."""
+        return json.dumps(asdict(self))
 
 
 def saved_schedule(directory: Path) -> Schedule | None:

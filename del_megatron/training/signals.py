@@ -4,8 +4,8 @@ A signal may reach only some processes: a batch shell's signal forwarded to one 
 `kill` of one rank. The handler only sets a rank-local flag; after each step the ranks
 agree on it (one all-reduce MAX over the world) and the loop branches on the agreed value
 alone, so every rank saves the same checkpoint and leaves the loop at the same step. The
-same all-reduce carries whether a rank saw a non-finite loss, so a step has one host
-synchronisation in all (`agree`).
+same all-reduce carries whether a rank saw a non-finite loss and whether a rank's
+checkpoint writer is still writing, so a step has one host synchronisation in all (`agree`).
 """
 
 from __future__ import annotations
@@ -49,18 +49,26 @@ class Agreement(NamedTuple):
 
     stop: bool  # some rank received a stop signal
     nonfinite: bool  # some rank's loss was not finite
+    writing: bool  # some rank's checkpoint writer has not finished
 
 
-def agree(stop: StopRequest | None, nonfinite: torch.Tensor) -> Agreement:
-    """One all-reduce MAX over the world of [stop signal received, loss not finite] and the
-    step's one host synchronisation (collective: every rank calls it at the same point).
+def agree(stop: StopRequest | None, nonfinite: torch.Tensor, writing: bool = False) -> Agreement:
+    """One all-reduce MAX over the world of [stop signal received, loss not finite, still
+    writing a checkpoint] and the step's one host synchronisation (collective: every rank
+    calls it at the same point).
 
     nonfinite: this rank's 0-dim flag, on the compute device (no host copy before the
-    reduction: the stop flag is filled on the device too)."""
+    reduction: the host flags are filled on the device too). writing: whether this rank's
+    checkpoint writer is still at work (training/checkpoint_writer.py)."""
     received = stop is not None and stop.received is not None
+    device = nonfinite.device
     flags = torch.stack(
-        [torch.full((), float(received), device=nonfinite.device), nonfinite.double()]
+        [
+            torch.full((), float(received), device=device),
+            nonfinite.double(),
+            torch.full((), float(writing), device=device),
+        ]
     )
     collectives.all_reduce(flags, op=dist.ReduceOp.MAX)  # the world group
-    stop_flag, nonfinite_flag = flags.tolist()
-    return Agreement(stop=stop_flag > 0, nonfinite=nonfinite_flag > 0)
+    stop_flag, nonfinite_flag, writing_flag = flags.tolist()
+    return Agreement(stop=stop_flag > 0, nonfinite=nonfinite_flag > 0, writing=writing_flag > 0)

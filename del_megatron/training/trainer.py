@@ -240,6 +240,7 @@ def next_micro_batches(
 class StepOutcome:
     metrics: StepMetrics  # on the compute device until read
     stop: bool  # agreed by every rank: a stop signal reached some rank
+    writing: bool  # agreed: some rank's checkpoint writer has not finished
     seconds: float  # the step's time, to the agreement (which waits for the device)
 
 
@@ -248,9 +249,11 @@ def train_step(
     micro_batches: list[dict[str, torch.Tensor]],
     step: int,
     stop: StopRequest | None = None,
+    writing: bool = False,
 ) -> StepOutcome:
     """One optimizer step (`step` 1-based) over this rank's micro-batches (host tensors,
-    as the loader gives them).
+    as the loader gives them). `writing`: whether this rank's checkpoint writer is still at
+    work, agreed with the stop signal (the outcome's `writing`).
 
     Each micro-batch's summed loss is divided by the tokens of the whole global batch (all
     micro-batches of all data-parallel ranks), then multiplied back by what DeepSpeed divides
@@ -277,7 +280,7 @@ def train_step(
         totals.add(report)
     local_loss = totals.totals["lm loss"][0]  # this rank's loss sum
     names, pairs = totals.reduced(run.dp_group)
-    agreed = agree(stop, ~torch.isfinite(local_loss))
+    agreed = agree(stop, ~torch.isfinite(local_loss), writing)
     # The ZeRO optimizer skips a step whose gradient norm is not finite (NaN/inf loss
     # included): no update and no schedule step. Both signs are agreed by every rank (the
     # overflow check inside DeepSpeed, the loss flag in `agree`). Count them; stop after
@@ -306,7 +309,7 @@ def train_step(
         **throughput(run, seconds),
     }
     metrics = StepMetrics(names, pairs, engine.get_global_grad_norm(), host)
-    return StepOutcome(metrics=metrics, stop=agreed.stop, seconds=seconds)
+    return StepOutcome(metrics=metrics, stop=agreed.stop, writing=agreed.writing, seconds=seconds)
 
 
 def throughput(run: Run, seconds: float) -> dict[str, float]:
@@ -372,10 +375,23 @@ def train(
         last = cfg.train.steps
         reporter = Reporter(cfg, start=start, enabled=run.is_main)
 
+        pending: checkpoint.PendingSave | None = None  # a checkpoint being written
+
         def keep(step: int) -> None:
+            """Start the checkpoint of `step` (publishing the one before it first)."""
+            nonlocal pending
             if save:
-                saved = checkpoint.save(run, step, loader, keep=cfg.train.keep_checkpoints)
-                result.checkpoint = str(saved)
+                pending = checkpoint.save(
+                    run, step, loader, keep=cfg.train.keep_checkpoints, previous=pending
+                )
+
+        def publish(last: bool = False) -> None:
+            """Make the checkpoint being written one (every rank, at the same step); `last`:
+            the run ends after it (old checkpoints are deleted before it returns)."""
+            nonlocal pending
+            if pending is not None:
+                result.checkpoint = str(checkpoint.publish(run, pending, last=last))
+                pending = None
 
         def report(flushed: list[tuple[int, dict[str, float]]]) -> None:
             result.losses.extend(values["loss"] for _, values in flushed)
@@ -387,7 +403,10 @@ def train(
             progress.steps(cfg, start)
             for step in range(start + 1, last + 1):
                 batches_of_step = next_micro_batches(run, source, step - 1)
-                outcome = train_step(run, batches_of_step, step, stop)
+                writing = pending is not None and not pending.writing.written()
+                outcome = train_step(run, batches_of_step, step, stop, writing)
+                if pending is not None and not outcome.writing:  # every rank's files written
+                    publish()
                 extra = {}
                 if due(cfg.train.eval_interval, step, last):
                     held_out = evaluate(run, cfg.eval.max_batches) or {}
@@ -396,6 +415,7 @@ def train(
                 if outcome.stop:  # the one place the stop decision is read
                     report(reporter.flush())
                     keep(step)
+                    publish(last=True)
                     reporter.message(f"stop requested: checkpoint of step {step} saved")
                     result.stopped = True
                     return result
@@ -405,7 +425,8 @@ def train(
             report(reporter.flush())
             if start < last:
                 keep(last)
-            elif path is not None:
+            publish(last=True)
+            if start >= last and path is not None:
                 reporter.message(f"{path} is the last step ({last}): nothing left to train")
                 result.checkpoint = str(path)
             progress.held_out(cfg, "after training")

@@ -183,7 +183,9 @@ def test_fused_weight_gradient_under_deepspeeds_bf16_optimizer(one_rank):
 def test_layout_free_state_of_deepspeeds_bf16_optimizer_round_trips(one_rank, tmp_path):
     """The layout-free checkpoint state (training/layout_free.py) reads and writes the
     BF16_Optimizer that ZeRO 1 becomes with float32 sums: fp32 masters and both Adam moments
-    saved from one engine load bit for bit into a fresh one, whose bf16 weights follow."""
+    saved from one engine load bit for bit into a fresh one, whose bf16 weights follow. The
+    state is the one of the save, though the file is written after two more steps (as the
+    background writer does): the save copies it to the host."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     gen = torch.Generator().manual_seed(2)
@@ -196,15 +198,24 @@ def test_layout_free_state_of_deepspeeds_bf16_optimizer_round_trips(one_rank, tm
             saved.backward(saved(x[batch], y[batch]))
             saved.step()
         where = dict(tp_rank=0, tp_size=1, vocab_size=32)  # no vocabulary rows in this model
-        layout_free.save(saved.module, saved.optimizer, tmp_path, **where, dp_rank=0, dp_size=1,
-                         extra={})  # fmt: skip
+        write = layout_free.save_job(
+            saved.module, saved.optimizer, tmp_path, **where, dp_rank=0, dp_size=1, extra={}
+        )
+        param = saved.module.weight
+        keys = ("exp_avg", "exp_avg_sq")
+        want = {key: safe_get_full_optimizer_state(param, key).clone() for key in keys}
+        want["fp32"] = safe_get_full_fp32_param(param).clone()
+        for batch in range(2):  # training goes on while the file is written
+            saved.backward(saved(x[batch], y[batch]))
+            saved.step()
+        assert not torch.equal(safe_get_full_fp32_param(param), want["fp32"])
+        write()
         layout_free.load(fresh.module, fresh.optimizer, tmp_path, **where)
-        want, got = saved.module.weight, fresh.module.weight
-        assert torch.equal(safe_get_full_fp32_param(got), safe_get_full_fp32_param(want))
-        for key in ("exp_avg", "exp_avg_sq"):
-            state = safe_get_full_optimizer_state(got, key)
-            assert torch.equal(state, safe_get_full_optimizer_state(want, key)), key
-        assert torch.equal(got, safe_get_full_fp32_param(want).bfloat16())
+        got = fresh.module.weight
+        assert torch.equal(safe_get_full_fp32_param(got), want["fp32"])
+        for key in keys:
+            assert torch.equal(safe_get_full_optimizer_state(got, key), want[key]), key
+        assert torch.equal(got, want["fp32"].bfloat16())
     finally:
         for engine in engines:
             engine.destroy()

@@ -51,7 +51,7 @@ def test_zero3_weights_are_gathered_one_parameter_at_a_time(tmp_path, monkeypatc
         dp_rank=0,
         is_main=False,
     )
-    checkpoint._save_weights(run, tmp_path)
+    checkpoint._weights_job(run, tmp_path)()
     params = list(module.parameters())
     assert gathers.most == 1
     assert [id(p) for p in gathers.gathered] == [id(p) for p in params]

@@ -57,8 +57,9 @@ def resharded_loaders(manifest: Path) -> list[StreamingLoader]:
 
 
 def save_every_rank(directory: Path, loaders, tp: int, monkeypatch) -> dict[int, int]:
-    """checkpoint._save_data_state on every global rank of TP x DP (rank = tp_rank + TP x
-    dp_rank, megatron's order), the writer (rank 0) last; returns the bytes each rank sent."""
+    """checkpoint._data_state_job (and its write) on every global rank of TP x DP (rank =
+    tp_rank + TP x dp_rank, megatron's order), the writer (rank 0) last; returns the bytes
+    each rank sent."""
     from megatron.core import parallel_state
 
     sent: dict[int, int] = {}
@@ -76,7 +77,9 @@ def save_every_rank(directory: Path, loaders, tp: int, monkeypatch) -> dict[int,
         )
         monkeypatch.setattr(checkpoint.collectives, "gather_object", gather)
         run = SimpleNamespace(is_main=rank == 0, dp_group=None)
-        checkpoint._save_data_state(run, directory, loaders[dp_rank])
+        job = checkpoint._data_state_job(run, directory, loaders[dp_rank])
+        if job is not None:
+            job()
     return sent
 
 
@@ -155,7 +158,8 @@ def test_the_dry_run_resumes_either_form_at_the_saved_layout_and_another(
         from megatron.core import parallel_state
 
         monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
-        checkpoint._save_data_state(SimpleNamespace(is_main=True, dp_group=None), path, loader)
+        run = SimpleNamespace(is_main=True, dp_group=None)
+        checkpoint._data_state_job(run, path, loader)()
     extra = [] if layout == "saved" else ["parallel.tensor_parallel=1"]
     code = main(["--config", str(config), "--dry-run", *extra, "--resume", str(path)])
     out, err = capsys.readouterr()

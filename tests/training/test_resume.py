@@ -60,11 +60,11 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
 
 
-def start_and_wait(cmd, out: Path, *, step: int):
+def start_and_wait(cmd, out: Path, *, step: int, extra_env: dict[str, str] | None = None):
     """Start a run; return the process once metrics.jsonl shows `step`."""
     proc = subprocess.Popen(
         cmd,
-        env=env(),
+        env={**env(), **(extra_env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         cwd=ROOT,
@@ -130,10 +130,26 @@ def assert_cost_embedding_checkpointed(first: Path, later: Path) -> None:
 # layout-free one, read at the saved layout too; ntl_was keeps DeepSpeed's own instead
 # (train.layout_free_checkpoints=false, and how every checkpoint was written before the
 # layout-free state was the one copy), read through DeepSpeed's load.
+@pytest.fixture(scope="module")
+def straight_losses(synth_tokenizer, synth_shards, tmp_path_factory):
+    """kind -> the losses of 20 steps without a checkpoint, each kind run once for the
+    module's tests."""
+    found: dict[str, dict[int, float]] = {}
+
+    def of(kind: str) -> dict[int, float]:
+        if kind not in found:
+            out = tmp_path_factory.mktemp(f"straight-{kind}")
+            run(command(out, synth_tokenizer, synth_shards, f"loss.kind={kind}"))
+            found[kind] = losses(out)
+        return found[kind]
+
+    return of
+
+
 @pytest.mark.parametrize("kind,layout_free", [("del", True), ("emo", True), ("ntl_was", False)])
-def test_exact_resume_after_sigkill(tmp_path, synth_tokenizer, synth_shards, kind, layout_free):
-    straight = tmp_path / "straight"
-    run(command(straight, synth_tokenizer, synth_shards, f"loss.kind={kind}"))
+def test_exact_resume_after_sigkill(
+    tmp_path, synth_tokenizer, synth_shards, straight_losses, kind, layout_free
+):
     interrupted = tmp_path / "interrupted"
     cmd = command(
         interrupted,
@@ -149,12 +165,43 @@ def test_exact_resume_after_sigkill(tmp_path, synth_tokenizer, synth_shards, kin
     assert (saved / "optim").is_dir() == layout_free and (saved / "state").is_dir() != layout_free
     proc = run([*cmd, "--resume", "auto"])
     assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
-    a, b = losses(straight), losses(interrupted)
+    a, b = straight_losses(kind), losses(interrupted)
     for step in range(11, 21):
         assert a[step] == b[step], (step, a[step], b[step])  # bit for bit
     if kind == "emo":
         saved = interrupted / "checkpoints"
         assert_cost_embedding_checkpointed(saved / "step-0000010", saved / "step-0000020")
+
+
+def test_a_kill_during_a_background_write_resumes_from_the_checkpoint_before(
+    tmp_path, synth_tokenizer, synth_shards, straight_losses
+):
+    """Issue 28: a checkpoint is written behind training and published only when every
+    rank's part is on the disk. Rank 1's writer of step 10 is held (workers/held_writer.py),
+    rank 0's finishes: training goes on past step 10 (the save did not stop it) to the save
+    of step 15, which waits for it; step-0000010 never appears. A SIGKILL then, and
+    --resume auto continues from step 5, bit for bit."""
+    out = tmp_path / "run"
+    args = train_args(out, synth_tokenizer, synth_shards, "train.save_interval=5", "loss.kind=del")
+    marker = tmp_path / "held"
+    held = torchrun_command("held_writer.py", 2, *args)
+    proc = start_and_wait(held, out, step=15, extra_env={"DEL_TEST_HOLD": f"1:10:{marker}"})
+    time.sleep(1)  # the run is waiting at the save of step 15 for rank 1's writer
+    assert proc.poll() is None and marker.is_file()
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp-step-0000010", "step-0000005"]
+    partial = checkpoints / ".tmp-step-0000010"
+    assert (partial / "rng" / "rank00000.pt").is_file()  # rank 0's part was written
+    assert not (partial / "rng" / "rank00001.pt").exists()
+    kill_hard(proc)
+    proc = run([*command(out, synth_tokenizer, synth_shards, "train.save_interval=5",
+                         "loss.kind=del"), "--resume", "auto"])  # fmt: skip
+    assert "at step 5" in proc.stdout, proc.stdout
+    a, b = straight_losses("del"), losses(out)
+    for step in range(6, 21):
+        assert a[step] == b[step], (step, a[step], b[step])  # bit for bit
+    kept = ["step-0000010", "step-0000015", "step-0000020"]  # train.keep_checkpoints=3
+    assert sorted(p.name for p in checkpoints.iterdir()) == kept
 
 
 def test_kills_during_checkpoint_writes_never_lose_the_last_good_one(

@@ -1,0 +1,34 @@
+"""torchrun worker: del-train with one rank's checkpoint writer held at one step.
+
+DEL_TEST_HOLD="<rank>:<step>:<marker file>": that rank's writer of the checkpoint of that
+step touches the marker and sleeps instead of writing (the other ranks' writers and every
+other save run as they do), so a test can kill the run while a background write is, for
+certain, unfinished. Arguments: del-train's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from del_megatron.cli.train import main
+from del_megatron.training import checkpoint, checkpoint_writer
+
+RANK, STEP, MARKER = os.environ["DEL_TEST_HOLD"].split(":", 2)
+real_run = checkpoint_writer._run
+
+
+def held_run(jobs, writing, directories) -> None:
+    held_dir = checkpoint.TMP_PREFIX + f"{checkpoint.PREFIX}{int(STEP):07d}"
+    if os.environ["RANK"] == RANK and directories[0].name == held_dir:
+        Path(MARKER).touch()
+        time.sleep(3600)
+    real_run(jobs, writing, directories)
+
+
+checkpoint_writer._run = held_run
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,70 @@
+"""The background half of a save (training/checkpoint_writer.py): jobs run behind the
+caller and hand back their files' entries or their error; what a save hands the writer is a
+host copy, unchanged by the training that goes on while it writes."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from del_megatron.checksums import hash_file
+from del_megatron.training import checkpoint, checkpoint_writer
+
+
+def test_jobs_run_behind_the_caller_and_hand_back_their_entries(tmp_path):
+    release = threading.Event()
+
+    def job():
+        release.wait(timeout=60)
+        (tmp_path / "a.bin").write_bytes(b"abc" * 1000)
+        return checkpoint_writer.flushed(tmp_path, "a.bin")
+
+    writing = checkpoint_writer.start([job], [tmp_path], background=True)
+    assert not writing.written()  # the caller goes on while the job waits
+    release.set()
+    assert writing.result() == {"a.bin": hash_file(tmp_path / "a.bin")}
+    assert writing.written()
+    inline = checkpoint_writer.start([job], [tmp_path], background=False)
+    assert inline.written() and inline.result() == writing.result()
+
+
+def test_a_failed_job_is_raised_by_result_and_stops_the_rest(tmp_path):
+    ran = []
+
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    writing = checkpoint_writer.start(
+        [full_disk, lambda: ran.append(1) or {}], [tmp_path], background=True
+    )
+    with pytest.raises(OSError, match="No space"):
+        writing.result()
+    assert ran == []
+
+
+def test_the_weights_written_are_those_of_the_save(tmp_path, monkeypatch):
+    """On CPU a parameter's .cpu() is the parameter itself: a writer behind training given
+    it would write the next step's weights (the old host_weights did)."""
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    module = torch.nn.Linear(4, 3)
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    run = SimpleNamespace(
+        engine=SimpleNamespace(module=module),
+        cfg=SimpleNamespace(parallel=SimpleNamespace(zero_stage=1)),
+        dp_rank=0,
+        is_main=False,
+    )
+    write = checkpoint._weights_job(run, tmp_path)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(1.0)  # the next optimizer step, in place
+    write()
+    saved = load_file(str(tmp_path / "model" / "tp00.safetensors"))
+    for name, value in before.items():
+        assert torch.equal(saved[name], value), name
