@@ -2,12 +2,8 @@
 
     bash bench/gpu_acceptance.sh [--cpu-smoke] [--plan]
 
-PLAN's checks run in order, each under its time limit, and judge what launch/torchrun.sh,
-del-convert, del-eval and bench/*.py wrote; each bound, (GPU, CPU smoke), stands beside its
-figure. Two or more GPUs add the TP 2 runs. Out: a table, and $OUT/gpu_acceptance.json with
-$OUT/logs/ (OUT: the work directory unless set). Exit 1 when a check failed, when nvidia-smi
-lists GPUs this torch cannot use, or with no GPU. --cpu-smoke: the one-GPU plan on the CPU,
-tiny, float32 (the wiring, not the figures); --plan: the checks, estimates and limits.
+PLAN's checks run in order, each under its time limit, each bound (GPU, CPU smoke) beside its
+figure; what they run, print and exit with: docs/benchmarks.md, "GPU".
 """
 
 import argparse
@@ -28,10 +24,8 @@ import traceback
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-THIS = str(Path(__file__).resolve())
 ONE_RANK_SWITCH = "DEL_COLLECTIVES_ON_ONE_RANK"  # del_megatron/collectives.py's ON_ONE_RANK
 BUDGET_S = 8 * 60  # the one-GPU plan on one H200
 WHEELS = ROOT / ".whl"  # bench/fetch_gpu_wheels.sh; installed into $DEL_SITE
@@ -39,15 +33,15 @@ CARRIED = ("megatron-core", "deepspeed", "pydantic", "webdataset")  # what .whl/
 NUMBER = r"([-+0-9.eE]+|nan|inf)"
 
 
-class Mode(NamedTuple):
+@dataclass(frozen=True)
+class Mode:
     device: str
     steps: int  # the tiny runs' length
     stop_at: int  # SIGUSR1 once metrics.jsonl reaches this step; also the log interval
     slowdown: int  # time limits x this
 
 
-# CPU smoke: its limits only catch a hang; on two cores shared with a training run, a tiny run
-# took 199 s once and 740 s (tokens/s a tenth) the next time, past a limit of 4 x 180 s
+# CPU smoke: limits that catch a hang only (two shared cores: a tiny run took 199 s, then 740 s)
 GPU, CPU = Mode("cuda", 20, 8, 1), Mode("cpu", 8, 3, 10)
 
 
@@ -120,13 +114,11 @@ def stop(proc: subprocess.Popen) -> None:
 
     started = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    for child in started:
+    for process in [proc, *started]:  # (Popen.kill skips a process already reaped)
         with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
+            process.kill()
     proc.wait()
 
 
@@ -139,6 +131,23 @@ def failure_line(text: str) -> str:
 
 def relative(a: float, b: float) -> float:
     return abs(a - b) / max(1.0, abs(b))
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def visible(path: list[str]) -> dict:
+    """The distributions a process with this sys.path imports (the first of each name)."""
+    return {canonical(d.metadata["Name"]): d for d in [*metadata.distributions(path=path)][::-1]}
+
+
+def carried_requirements(pyproject: Path) -> list[str]:
+    """pyproject.toml's requirements of the carried packages (one source of the versions)."""
+    import tomllib
+
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    return [d for d in deps if canonical(re.match(r"[\w.-]+", d)[0]) in CARRIED]
 
 
 def check_install(c: Check) -> str:
@@ -171,9 +180,9 @@ def check_install(c: Check) -> str:
         if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
             continue  # another platform's, or an extra's
         dist = have.get(canonical(requirement.name))
+        # the base release counts: NGC's torch 2.6.0a0+nv meets >=2.6
         if dist is None or not any(requirement.specifier.contains(v, prereleases=True) for v in
                                    (dist.version, Version(dist.version).base_version)):
-            # (the base release counts: NGC's torch 2.6.0a0+nv meets >=2.6)
             unmet.append(f"{who} needs {requirement}" + (f", has {dist.version}" if dist else ""))
     if unmet:
         raise Failed(f"{python}: {'; '.join(unmet)[:300]} (wheels: {WHEELS}, "
@@ -181,31 +190,53 @@ def check_install(c: Check) -> str:
     return f"{python}: " + (", ".join(todo) or "nothing missing")
 
 
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def visible(path: list[str]) -> dict:
-    """The distributions a process with this sys.path imports (the first of each name)."""
-    return {canonical(d.metadata["Name"]): d for d in [*metadata.distributions(path=path)][::-1]}
-
-
-def carried_requirements(pyproject: Path) -> list[str]:
-    """pyproject.toml's requirements of the carried packages (one source of the versions)."""
-    import tomllib
-
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    return [d for d in deps if canonical(re.match(r"[\w.-]+", d)[0]) in CARRIED]
-
-
 def check_env(c: Check) -> str:
-    facts = json.loads(c.run(sys.executable, THIS, "--probe-env", c.mode.device).splitlines()[-1])
+    facts = json.loads(c.run(sys.executable, __file__, "--probe-env", c.mode.device)
+                       .splitlines()[-1])
     c.figures.update(facts)
     if c.mode.device == "cuda":
         c.within("gpus", facts["gpus"], lo=1)
         if facts["deepspeed_accelerator"] != "cuda":
             raise Failed(f"DeepSpeed picked accelerator {facts['deepspeed_accelerator']}")
     return f"fused weight gradient: {facts['fused_weight_grad']}"
+
+
+def probe_env(device: str) -> dict:
+    """(In a child.) Versions, and what decides the GPU paths (issue 25 item 10): the product
+    that forms the fused op's weight gradient, Transformer Engine, flash SDPA."""
+    import importlib
+
+    import torch
+
+    from del_megatron.losses.fused import addmm_out_dtype_supported
+    from del_megatron.models.device import select_accelerator, transformer_engine_available
+
+    dev = torch.device(device)
+    select_accelerator(dev)  # before DeepSpeed is imported
+    product = ("addmm(out_dtype=float32)" if addmm_out_dtype_supported(dev, torch.bfloat16)
+               else "float32 product of upcast chunks (slower)")
+    facts = {"python": sys.version.split()[0], "torch": torch.__version__,
+             "cuda": torch.version.cuda, "transformer_engine": None,
+             "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+             "fused_weight_grad": f"{product} in bf16"}
+    te = ["transformer_engine"] if transformer_engine_available() else []
+    for module in ["megatron.core", "deepspeed", "transformers", "pydantic", "webdataset", *te]:
+        facts[module.split(".")[0]] = importlib.import_module(module).__version__
+    if dev.type == "cuda":
+        from deepspeed.accelerator import get_accelerator
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q = torch.randn(1, 2, 64, 64, device=dev, dtype=torch.bfloat16)
+        try:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            flash = True
+        except RuntimeError:
+            flash = False
+        facts.update(gpu=torch.cuda.get_device_name(dev), flash_sdpa=flash,
+                     nccl=".".join(map(str, torch.cuda.nccl.version())),
+                     deepspeed_accelerator=get_accelerator()._name)
+    return facts
 
 
 def check_deepspeed_config(c: Check) -> str:
@@ -247,15 +278,16 @@ def loss_diff(ours: dict[int, dict], reference: dict[int, dict]) -> float:
     return max(relative(ours[s]["loss"], reference[s]["loss"]) for s in ours)
 
 
-def judge_run(c: Check, records: dict[int, dict], steps: int) -> None:
+def judge_run(c: Check, records: dict[int, dict]) -> None:
     """Every step logged, loss in (0, 100) and gradient norm below 1e4 (NaN fails); loss fell."""
-    if sorted(records) != list(range(1, steps + 1)):
-        raise Failed(f"metrics.jsonl has steps {sorted(records)[:4]}..., expected 1..{steps}")
+    last = c.mode.steps
+    if sorted(records) != list(range(1, last + 1)):
+        raise Failed(f"metrics.jsonl has steps {sorted(records)[:4]}..., expected 1..{last}")
     for r in records.values():
         if not (0 < r["loss"] < 100 and 0 <= r["grad_norm"] < 1e4):
             raise Failed(f"step {r['step']}: loss {r['loss']}, grad norm {r['grad_norm']}")
     c.figures["loss_step1"] = records[1]["loss"]
-    c.within("loss_fall", records[1]["loss"] - records[steps]["loss"], lo=1e-3)
+    c.within("loss_fall", records[1]["loss"] - records[last]["loss"], lo=1e-3)
     c.within("tokens_per_s", statistics.median(r["tokens_per_s"] for r in records.values()),
              lo=1)
 
@@ -271,7 +303,7 @@ def check_train(c: Check, tp: int, fused: bool) -> str:
     run = f"train-{'fused-' if fused else ''}tp{tp}"
     c.run(*tiny(c, run, tp, *(["loss.fused_output=true"] if fused else [])))  # default: false
     ours = metrics(c.work / run)
-    judge_run(c, ours, c.mode.steps)
+    judge_run(c, ours)
     if not (c.work / run / "checkpoints" / f"step-{c.mode.steps:07d}").is_dir():
         raise Failed(f"no checkpoint of step {c.mode.steps}")
     if fused:  # issue 25 item 7: step 1 (same weights and batch) forward and backward, then
@@ -309,27 +341,25 @@ def check_stop_resume(c: Check, tp: int) -> str:
 
 
 def as_straight_run(c: Check, run: Path, straight: Path) -> None:
-    """run, judged, against the straight run of the same command: every loss, the weights."""
-    judge_run(c, metrics(run), c.mode.steps)
-    c.below("loss_max_rel_diff", loss_diff(metrics(run), metrics(straight)), *RESUMED)
-    final = f"checkpoints/step-{c.mode.steps:07d}/model"
-    c.below("weights_max_abs_diff", weights_difference(run / final, straight / final), *RESUMED)
-
-
-def weights_difference(a: Path, b: Path) -> float:
-    """Largest |a - b| over the tensors of two directories of tp*.safetensors (0: equal)."""
+    """run, judged, against the straight run of the same command: every loss, and the largest
+    |difference| of the final weights (tp*.safetensors)."""
     from safetensors.torch import load_file
 
-    x, y = ({f"{p.name}:{k}": t for p in sorted(d.glob("tp*.safetensors"))
-             for k, t in load_file(p).items()} for d in (a, b))
+    judge_run(c, metrics(run))
+    c.below("loss_max_rel_diff", loss_diff(metrics(run), metrics(straight)), *RESUMED)
+    final = f"checkpoints/step-{c.mode.steps:07d}/model"
+    x, y = ({f"{p.name}:{k}": t for p in sorted((d / final).glob("tp*.safetensors"))
+             for k, t in load_file(p).items()} for d in (run, straight))
     if not x or x.keys() != y.keys() or any(x[k].shape != y[k].shape for k in x):
-        raise Failed(f"the weights of {a} and {b} differ in files, names or shapes")
-    return max((x[k].double() - y[k].double()).abs().max().item() for k in x)
+        raise Failed(f"the weights of {run / final} and {straight / final} differ in files, "
+                     "names or shapes")
+    difference = max((x[k].double() - y[k].double()).abs().max().item() for k in x)
+    c.below("weights_max_abs_diff", difference, *RESUMED)
 
 
 def check_init_hf(c: Check) -> str:
     """A tied Qwen-2 -> init.hf -> 2 steps -> del-convert: a tied export, evaluated as ours."""
-    from safetensors import safe_open
+    from safetensors.torch import load_file
 
     hf, run = c.work / "qwen2", c.work / "init-hf"
     c.run(sys.executable, "-c", "from tests.models.tiny_hf import tiny_hf_model; tiny_hf_model("
@@ -341,10 +371,7 @@ def check_init_hf(c: Check) -> str:
                 "eval.sources=[]", data=False))
     evaluate_with_export(c, run / "checkpoints/step-0000002", "init-hf")
     export = c.work / "init-hf-export"
-    stored = []
-    for file in export.glob("*.safetensors"):
-        with safe_open(file, "pt") as tensors:
-            stored += tensors.keys()
+    stored = [name for file in export.glob("*.safetensors") for name in load_file(file)]
     tied = json.loads((export / "config.json").read_text()).get("tie_word_embeddings")
     if not tied or "lm_head.weight" in stored:
         raise Failed(f"export: tie_word_embeddings {tied}, lm_head.weight stored")
@@ -373,8 +400,6 @@ def evaluate_with_export(c: Check, checkpoint: Path, name: str) -> str:
 
 # The benchmarks (GPU, CPU smoke): on the GPU, docs/benchmarks.md's goals; on the CPU only a
 # broken wiring fails (toy timings on shared cores are noise, the RSS meter coarse).
-
-
 def check_bench_hook(c: Check) -> None:
     (time_ratio, peak), = c.run(sys.executable, *c.pick(
         "bench/loss_tp.py --device cuda --dtype bf16 --vocab 152064 --tokens 16384 --repeats 10",
@@ -488,43 +513,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join([*lines, "{pass} passed, {fail} failed, {skipped} skipped".format(**counts)])
 
 
-def probe_env(device: str) -> dict:
-    """(In a child.) Versions, and what decides the GPU paths (issue 25 item 10): the product
-    that forms the fused op's weight gradient, Transformer Engine, flash SDPA."""
-    import importlib
-
-    import torch
-
-    from del_megatron.losses.fused import addmm_out_dtype_supported
-    from del_megatron.models.device import select_accelerator, transformer_engine_available
-
-    dev = torch.device(device)
-    select_accelerator(dev)  # before DeepSpeed is imported
-    addmm = addmm_out_dtype_supported(dev, torch.bfloat16)
-    facts = {"python": sys.version.split()[0], "torch": torch.__version__,
-             "cuda": torch.version.cuda, "transformer_engine": None,
-             "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-             "fused_weight_grad": ("addmm(out_dtype=float32)" if addmm else
-                                   "float32 product of upcast chunks (slower)") + " in bf16"}
-    te = ["transformer_engine"] if transformer_engine_available() else []
-    for module in ["megatron.core", "deepspeed", "transformers", "pydantic", "webdataset", *te]:
-        facts[module.split(".")[0]] = importlib.import_module(module).__version__
-    if dev.type == "cuda":
-        from deepspeed.accelerator import get_accelerator
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        q = torch.randn(1, 2, 64, 64, device=dev, dtype=torch.bfloat16)
-        try:
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-        except RuntimeError:
-            q = None
-        facts.update(gpu=torch.cuda.get_device_name(dev), flash_sdpa=q is not None,
-                     nccl=".".join(map(str, torch.cuda.nccl.version())),
-                     deepspeed_accelerator=get_accelerator()._name)
-    return facts
-
-
 def gpus_to_use(listed: int, seen: int, torch_version: str) -> int:
     """The GPUs torch sees; one line and exit 1 when nvidia-smi lists GPUs that it cannot
     use, or when there is none (nothing would be accepted)."""
@@ -561,8 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", action="store_true", help="print the checks and estimates")
     parser.add_argument("--probe-env", metavar="DEVICE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.probe_env:  # a check's input
-        return print(json.dumps(probe_env(args.probe_env))) or 0
+    if args.probe_env:  # check_env's input, in a child
+        print(json.dumps(probe_env(args.probe_env)))
+        return 0
     mode = CPU if args.cpu_smoke else GPU
     gpus = 1 if args.cpu_smoke or args.plan else usable_gpus()
     plan = plan_for(gpus)

@@ -302,7 +302,7 @@ def test_a_command_past_its_limit_is_stopped_and_fails(tmp_path):
         time.sleep(0.1)
     assert state in ("gone", "Z")  # its own session did not save it
     c.deadline = time.monotonic() + 30  # SIGUSR1 once asked for; 75 is what it expects
-    script = f"trap 'kill $!; exit 75' USR1; echo hi; touch {tmp_path}/ready; sleep 30 & wait"
+    script = f"trap 'kill $!; exit 75' USR1; echo hi; sleep 30 & touch {tmp_path}/ready; wait"
     ready = (tmp_path / "ready").exists
     assert c.run("bash", "-c", script, ok=(75,), stop_when=ready) == "hi\n"
     with pytest.raises(acc.Failed, match=r"exit 3 \(expected 0\): RuntimeError: bad"):
