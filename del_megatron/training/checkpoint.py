@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,29 +69,21 @@ class PendingSave:
     keep: int
     needed: int  # bytes, for the line of a disk that fills during the write
     writing: checkpoint_writer.Writing
+    waited_s: float  # what `save` took on the training thread
 
 
-def save(
-    run: Any,
-    step: int,
-    loader: StreamingLoader | None,
-    *,
-    keep: int,
-    previous: PendingSave | None = None,
-) -> PendingSave:
-    """Start the checkpoint of step `step` (every rank): the previous save is published
-    first (a save waits for the one before it), then this rank's part of the state is copied
-    to host memory and its files are written behind training when
-    train.background_checkpoints (else now); `publish` completes it, and keeps the newest
-    `keep`. A disk without room for it is one line on every rank (CheckpointError: exit
-    status 2), checked before the first byte is written; a disk that fills during the
-    write anyway is one line too, at `publish`."""
-    if previous is not None:
-        publish(run, previous)
+def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> PendingSave:
+    """Start the checkpoint of step `step` (every rank; the one before it published first):
+    this rank's part of the state is copied to host memory and its files are written behind
+    training when train.background_checkpoints (else now); `publish` completes it, and keeps
+    the newest `keep`. A disk without room for it is one line on every rank
+    (CheckpointError: exit status 2), checked before the first byte is written; a disk that
+    fills during the write anyway is one line too, at `publish`."""
+    started = time.perf_counter()
     root = root_of(run.cfg.output_dir)
     needed = check_space(run, root)
     try:
-        return _start(run, step, loader, keep=keep, needed=needed)
+        return _start(run, step, loader, keep=keep, needed=needed, started=started)
     except Exception as err:  # torch.save and DeepSpeed wrap the OSError in RuntimeError
         if is_no_space(err):
             raise CheckpointError(str(no_space(root, needed))) from None
@@ -126,7 +119,7 @@ def check_space(run: Any, root: Path) -> int:
 
 
 def _start(
-    run: Any, step: int, loader: StreamingLoader | None, *, keep: int, needed: int
+    run: Any, step: int, loader: StreamingLoader | None, *, keep: int, needed: int, started: float
 ) -> PendingSave:
     """The training thread's half of a save: every collective, and a host copy of what this
     rank writes; the files are written by the returned save's writer."""
@@ -156,7 +149,8 @@ def _start(
     writing = checkpoint_writer.start(
         [job for job in jobs if job is not None], directories, background=background
     )
-    return PendingSave(step, tmp, final, keep, needed, writing)
+    waited = time.perf_counter() - started
+    return PendingSave(step, tmp, final, keep, needed, writing, waited)
 
 
 def publish(run: Any, pending: PendingSave, *, last: bool = False) -> Path:

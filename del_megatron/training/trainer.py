@@ -378,19 +378,24 @@ def train(
         pending: checkpoint.PendingSave | None = None  # a checkpoint being written
 
         def keep(step: int) -> None:
-            """Start the checkpoint of `step` (publishing the one before it first)."""
+            """Start the checkpoint of `step`, once the one before it is published (a save
+            waits for the previous one: at most one in flight)."""
             nonlocal pending
             if save:
-                pending = checkpoint.save(
-                    run, step, loader, keep=cfg.train.keep_checkpoints, previous=pending
-                )
+                publish()
+                pending = checkpoint.save(run, step, loader, keep=cfg.train.keep_checkpoints)
 
         def publish(last: bool = False) -> None:
-            """Make the checkpoint being written one (every rank, at the same step); `last`:
-            the run ends after it (old checkpoints are deleted before it returns)."""
+            """Make the checkpoint being written one (every rank, at the same step) and say
+            how long training waited for it; `last`: the run ends after it (old checkpoints
+            are deleted before it returns)."""
             nonlocal pending
             if pending is not None:
-                result.checkpoint = str(checkpoint.publish(run, pending, last=last))
+                started = time.perf_counter()
+                saved = checkpoint.publish(run, pending, last=last)
+                waited = pending.waited_s + time.perf_counter() - started
+                reporter.message(f"checkpoint {saved.name} saved (training waited {waited:.2f} s)")
+                result.checkpoint = str(saved)
                 pending = None
 
         def report(flushed: list[tuple[int, dict[str, float]]]) -> None:
