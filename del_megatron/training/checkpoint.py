@@ -63,12 +63,12 @@ class PendingSave:
     """A checkpoint whose files are being written (training/checkpoint_writer.py): `publish`
     makes it a checkpoint once every rank's writer has finished."""
 
-    step: int
     tmp: Path  # .tmp-step-NNNNNNN: what resume ignores
     final: Path
     keep: int
     needed: int  # bytes, for the line of a disk that fills during the write
     writing: checkpoint_writer.Writing
+    background: bool  # the same on every rank (the config's): written behind training
     waited_s: float  # what `save` took on the training thread
 
 
@@ -105,12 +105,23 @@ def bytes_needed(run: Any, root: Path) -> int:
     return count * per
 
 
+def being_freed(root: Path) -> int:
+    """Bytes of old checkpoints out of the namespace whose deletion behind training has not
+    ended (`publish`): space that is ours to count as free."""
+    return sum(
+        p.stat().st_size
+        for old in root.glob(TMP_PREFIX + "old-*")
+        for p in old.rglob("*")
+        if p.is_file()
+    )
+
+
 def check_space(run: Any, root: Path) -> int:
     """Refuse a save the disk has no room for, on every rank (rank 0 looks, all agree);
     returns the bytes needed."""
     needed = bytes_needed(run, root)
     refusal = None
-    if run.is_main and free_bytes(root) < needed:
+    if run.is_main and free_bytes(root) + being_freed(root) < needed:
         refusal = str(no_space(root, needed))
     refusal = collectives.all_gather_object(refusal)[0]
     if refusal:
@@ -141,58 +152,104 @@ def _start(
         run.engine.save_checkpoint(
             str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step}, save_latest=False
         )
-        jobs, background = [], False
+        jobs, background = [_deepspeed_flush_job(tmp)], False
     jobs += [_weights_job(run, tmp), _rng_job(run, tmp), _data_state_job(run, tmp, loader)]
     if run.is_main:
         jobs.append(_record_job(run, tmp, step))
-    directories = [tmp, tmp / layout_free.OPTIM, tmp / "model", tmp / "rng"]
+    directories = [tmp, tmp / layout_free.OPTIM, tmp / "model", tmp / "rng", tmp / DEEPSPEED_TAG]
     writing = checkpoint_writer.start(
         [job for job in jobs if job is not None], directories, background=background
     )
     waited = time.perf_counter() - started
-    return PendingSave(step, tmp, final, keep, needed, writing, waited)
+    return PendingSave(tmp, final, keep, needed, writing, background, waited)
 
 
 def publish(run: Any, pending: PendingSave, *, last: bool = False) -> Path:
     """Wait for this rank's writer, agree that every rank's files are written, then write
-    files.json and rename `.tmp-step-N` to `step-N` (rank 0), flush the rename and drop the
-    checkpoints beyond the newest `keep` (deleted behind training unless `last`, the run's
-    last save, or the save was not written in the background). Every rank calls it at the
-    same step (the loop does when the step's agreement says no rank is still writing). A
-    failed write is one line on every rank (the rank whose write failed with a bug of ours
-    raises it)."""
-    root = pending.final.parent
+    files.json and rename `.tmp-step-N` to `step-N` (rank 0), both flushed to the disk, and
+    drop the checkpoints beyond the newest `keep` (deleted behind training unless `last`,
+    the run's last save, or the save was not written in the background). Every rank calls
+    it at the same step (the loop does when the step's agreement says no rank is still
+    writing). A failed write, files.json or rename is one line on every rank (the rank whose
+    write failed with a bug of ours raises it)."""
     entries, failure, problem = {}, None, None
     try:
         entries = pending.writing.result()
-    except Exception as err:
-        failure = err
-        if is_no_space(err):
-            problem = str(no_space(root, pending.needed))
-        else:
-            problem = f"{pending.tmp}: writing the checkpoint failed ({one_line(err)[:300]})"
+    except BaseException as err:  # agreed below before anything raises: no rank hangs
+        failure, problem = err, _write_problem(err, pending)
     problems = [p for p in collectives.all_gather_object(problem) if p]
     if problems:
-        if failure is not None and not isinstance(failure, OSError) and not is_no_space(failure):
+        if failure is not None and not _is_io_failure(failure):
             raise failure
         raise CheckpointError(problems[0])
     checkpoint_files.write_index(pending.tmp, entries, run.rank, run.world)  # gathers
     if run.is_main:
-        if pending.final.exists():
-            shutil.rmtree(pending.final)
-        os.replace(pending.tmp, pending.final)
-        checkpoint_writer.sync_directory(root)  # the rename on the disk: then it counts
-        doomed = []
-        for old in complete_checkpoints(root)[: -pending.keep] if pending.keep else []:
-            # out of the final namespace first (atomic), then delete: a kill mid-delete
-            # leaves a .tmp- directory (the next start removes it), never a half-deleted
-            # step-N
-            doomed.append(root / (TMP_PREFIX + "old-" + old.name))
-            os.replace(old, doomed[-1])
-        behind = pending.writing.thread is not None and not last
-        checkpoint_writer.remove(doomed, background=behind)
-    collectives.barrier()
+        try:
+            _rename_and_prune(pending, background=pending.background and not last)
+        except Exception as err:
+            if not _is_io_failure(err):
+                raise
+            problem = _write_problem(err, pending)
+    problems = [p for p in collectives.all_gather_object(problem) if p]  # also a barrier
+    if problems:
+        raise CheckpointError(problems[0])
     return pending.final
+
+
+def _rename_and_prune(pending: PendingSave, *, background: bool) -> None:
+    """Rank 0's part of `publish`: files.json and the directory on the disk, the rename
+    (flushed: then the checkpoint counts), the old checkpoints out of the namespace, then
+    deleted (`background`: behind training). A directory is only ever deleted once out of
+    the final namespace: a kill mid-delete leaves a .tmp- directory (the next start removes
+    it), never a half-deleted step-N."""
+    root = pending.final.parent
+    checkpoint_writer.fsync(pending.tmp / checkpoint_files.INDEX)
+    checkpoint_writer.sync_directory(pending.tmp)
+    doomed = []
+    if pending.final.exists():  # the same step saved again (a resume from an older one)
+        doomed.append(root / (TMP_PREFIX + "old-" + pending.final.name))
+        os.replace(pending.final, doomed[-1])
+    os.replace(pending.tmp, pending.final)
+    checkpoint_writer.sync_directory(root)
+    older = [p for p in complete_checkpoints(root) if p != pending.final]
+    for old in older[: len(older) - (pending.keep - 1)] if pending.keep else []:
+        doomed.append(root / (TMP_PREFIX + "old-" + old.name))
+        os.replace(old, doomed[-1])
+    checkpoint_writer.remove(doomed, background=background)
+
+
+def _is_io_failure(err: BaseException) -> bool:
+    """A write that failed for the disk or its permissions (the user's to fix), however a
+    library wrapped it: an OSError in the chain, torch.save's and safetensors' own errors."""
+    while err is not None:
+        if isinstance(err, OSError) or is_no_space(err):
+            return True
+        text = str(err)
+        if type(err).__name__ == "SafetensorError" or "cannot be opened" in text:
+            return True
+        if "PytorchStreamWriter failed" in text:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _write_problem(err: BaseException, pending: PendingSave) -> str:
+    if is_no_space(err):
+        return str(no_space(pending.final.parent, pending.needed))
+    return f"{pending.tmp}: writing the checkpoint failed ({one_line(str(err))[:300]})"
+
+
+def _deepspeed_flush_job(directory: Path) -> checkpoint_writer.Job:
+    """DeepSpeed's files (train.layout_free_checkpoints=false) flushed to the disk before the
+    rename; hashed at the publish (`write_index`), shared over the ranks."""
+
+    def flush() -> dict[str, dict[str, Any]]:
+        for path in (directory / DEEPSPEED_TAG).rglob("*"):
+            if path.is_file():
+                checkpoint_writer.fsync(path)
+        return {}
+
+    return flush
 
 
 def _record_job(run: Any, directory: Path, step: int) -> checkpoint_writer.Job:

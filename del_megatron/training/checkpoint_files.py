@@ -3,9 +3,10 @@ file's size and SHA-256), the start-up check of sizes and headers, and the verif
 contents when a checkpoint is loaded.
 
 * **Written** by `write_index` at the end of a save, once every rank has written its files:
-  the file that a writer hashed as it wrote it (the layout-free state, `HashingWriter`) is
-  taken as hashed; every other file (DeepSpeed's, torch's RNG files, the small JSON files) is
-  hashed by one rank, the ranks sharing the files round robin, and rank 0 writes the index.
+  each file a save's writer wrote is taken as it hashed it (training/checkpoint_writer.py;
+  the layout-free state as it streamed, `HashingWriter`); any other file (DeepSpeed's own,
+  with train.layout_free_checkpoints=false) is hashed by one rank, the ranks sharing the
+  files round robin, and rank 0 writes the index.
 * **Checked** by `check_files` before anything loads (the dry run, `--check` and the run
   share it through `checkpoint.check`): every file the load will read exists, has the size
   the index records and a whole header (a torch zip's end record, a safetensors header whose

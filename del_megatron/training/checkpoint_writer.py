@@ -30,12 +30,16 @@ from ..checksums import hash_file
 Job = Callable[[], dict[str, dict[str, Any]]]
 
 
-def flushed(directory: Path, relative: str) -> dict[str, dict[str, Any]]:
-    """{relative: size and SHA-256} of a file just written, flushed to the disk first."""
-    path = directory / relative
+def fsync(path: Path) -> None:
+    """Flush a file just written to the disk."""
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
-    return {relative: hash_file(path)}
+
+
+def flushed(directory: Path, relative: str) -> dict[str, dict[str, Any]]:
+    """{relative: size and SHA-256} of a file just written, flushed to the disk first."""
+    fsync(directory / relative)
+    return {relative: hash_file(directory / relative)}
 
 
 def sync_directory(path: Path) -> None:
@@ -97,11 +101,10 @@ def start(jobs: list[Job], directories: list[Path], *, background: bool) -> Writ
     """Run `jobs` (host tensors only, no collective), then flush `directories`' entries:
     in a thread when `background`, else now. A daemon thread: a run that fails leaves an
     unpublished `.tmp-` directory, which the next start removes."""
+    writing = Writing(thread=None)
     if not background:
-        writing = Writing(thread=None)
         _run(jobs, writing, directories)
         return writing
-    writing = Writing(thread=None)
     writing.thread = threading.Thread(
         target=_run, args=(jobs, writing, directories), name="checkpoint-writer", daemon=True
     )

@@ -384,6 +384,8 @@ def train(
             if save:
                 publish()
                 pending = checkpoint.save(run, step, loader, keep=cfg.train.keep_checkpoints)
+                if not pending.background:  # written already: no step between
+                    publish()
 
         def publish(last: bool = False) -> None:
             """Make the checkpoint being written one (every rank, at the same step) and say

@@ -4,6 +4,7 @@ host copy, unchanged by the training that goes on while it writes."""
 
 from __future__ import annotations
 
+import json
 import threading
 from types import SimpleNamespace
 
@@ -13,6 +14,8 @@ from safetensors.torch import load_file
 
 from del_megatron.checksums import hash_file
 from del_megatron.training import checkpoint, checkpoint_writer
+
+from ..distributed.launcher import run_torchrun
 
 
 def test_jobs_run_behind_the_caller_and_hand_back_their_entries(tmp_path):
@@ -68,3 +71,22 @@ def test_the_weights_written_are_those_of_the_save(tmp_path, monkeypatch):
     saved = load_file(str(tmp_path / "model" / "tp00.safetensors"))
     for name, value in before.items():
         assert torch.equal(saved[name], value), name
+
+
+@pytest.mark.slow
+def test_each_checkpoint_is_published_before_the_step_after_it_when_written_inline(
+    synth_tokenizer, synth_shards, tmp_path
+):
+    """Written while the step waits (train.background_checkpoints=false), a checkpoint is
+    published at once: a kill in the next step finds it. (The first background version
+    published it after the next step, as it does a background one: the step after a save
+    saw `.tmp-step-0000002`.) Behind training it is published once written, and the run
+    ends with every checkpoint published, nothing left in .tmp-."""
+    run_torchrun("publish_points.py", 1, str(synth_tokenizer), str(synth_shards), str(tmp_path))
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    inline, behind = seen["false"], seen["true"]
+    assert inline["3"] == ["step-0000002"] and inline["5"] == ["step-0000002", "step-0000004"]
+    every = ["step-0000002", "step-0000004", "step-0000005"]
+    assert inline["end"] == every and behind["end"] == every
+    assert behind["1"] == [] and set(behind["5"]) <= {"step-0000002", ".tmp-step-0000004",
+                                                      "step-0000004"}  # fmt: skip
