@@ -30,10 +30,9 @@ def tokenizer_path(root: Path) -> Path:
     return train_tokenizer([train], root / "tokenizer.model", vocab_size=1000)
 
 
-def run_config(tokenizer: Path, gpu_7b: bool):
-    from del_megatron.config import parse_run_config
-
-    tree = {
+def cpu_tree(tokenizer: Path) -> dict:
+    """The run config of the tiny CPU model (TP 2), as a tree other benches start from."""
+    return {
         "model": {
             "vocab_size": 1024,
             "hidden_size": 128,
@@ -57,6 +56,12 @@ def run_config(tokenizer: Path, gpu_7b: bool):
         "logging": {"wandb": "disabled", "progress_bar": False},
         "output_dir": "/tmp/del-bench-train-step",
     }
+
+
+def run_config(tokenizer: Path, gpu_7b: bool):
+    from del_megatron.config import parse_run_config
+
+    tree = cpu_tree(tokenizer)
     if gpu_7b:  # Llama-2-7B widths, 4 layers, 32000 tokens, sequence 4096, bf16, TP 1
         tree["model"] = {
             "vocab_size": 32000,
