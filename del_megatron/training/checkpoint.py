@@ -107,13 +107,16 @@ def bytes_needed(run: Any, root: Path) -> int:
 
 def being_freed(root: Path) -> int:
     """Bytes of old checkpoints out of the namespace whose deletion behind training has not
-    ended (`publish`): space that is ours to count as free."""
-    return sum(
-        p.stat().st_size
-        for old in root.glob(TMP_PREFIX + "old-*")
-        for p in old.rglob("*")
-        if p.is_file()
-    )
+    ended (`publish`): space that is ours to count as free. Their files vanish while this
+    counts them (a file already deleted counts 0)."""
+    total = 0
+    for old in root.glob(TMP_PREFIX + "old-*"):
+        for path in old.rglob("*"):
+            try:
+                total += path.stat().st_size if path.is_file() else 0
+            except OSError:  # deleted between the listing and the stat
+                pass
+    return total
 
 
 def check_space(run: Any, root: Path) -> int:
@@ -164,11 +167,11 @@ def _start(
     return PendingSave(tmp, final, keep, needed, writing, background, waited)
 
 
-def publish(run: Any, pending: PendingSave, *, last: bool = False) -> Path:
+def publish(run: Any, pending: PendingSave, *, run_ends: bool = False) -> Path:
     """Wait for this rank's writer, agree that every rank's files are written, then write
     files.json and rename `.tmp-step-N` to `step-N` (rank 0), both flushed to the disk, and
-    drop the checkpoints beyond the newest `keep` (deleted behind training unless `last`,
-    the run's last save, or the save was not written in the background). Every rank calls
+    drop the checkpoints beyond the newest `keep` (deleted behind training unless
+    `run_ends` after it, or the save was not written in the background). Every rank calls
     it at the same step (the loop does when the step's agreement says no rank is still
     writing). A failed write, files.json or rename is one line on every rank (the rank whose
     write failed with a bug of ours raises it)."""
@@ -185,7 +188,7 @@ def publish(run: Any, pending: PendingSave, *, last: bool = False) -> Path:
     checkpoint_files.write_index(pending.tmp, entries, run.rank, run.world)  # gathers
     if run.is_main:
         try:
-            _rename_and_prune(pending, background=pending.background and not last)
+            _rename_and_prune(pending, background=pending.background and not run_ends)
         except Exception as err:
             if not _is_io_failure(err):
                 raise

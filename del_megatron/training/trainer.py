@@ -387,14 +387,14 @@ def train(
                 if not pending.background:  # written already: no step between
                     publish()
 
-        def publish(last: bool = False) -> None:
+        def publish(run_ends: bool = False) -> None:
             """Make the checkpoint being written one (every rank, at the same step) and say
-            how long training waited for it; `last`: the run ends after it (old checkpoints
-            are deleted before it returns)."""
+            how long training waited for it; `run_ends` after it: old checkpoints are
+            deleted before it returns."""
             nonlocal pending
             if pending is not None:
                 started = time.perf_counter()
-                saved = checkpoint.publish(run, pending, last=last)
+                saved = checkpoint.publish(run, pending, run_ends=run_ends)
                 waited = pending.waited_s + time.perf_counter() - started
                 reporter.message(f"checkpoint {saved.name} saved (training waited {waited:.2f} s)")
                 result.checkpoint = str(saved)
@@ -422,7 +422,7 @@ def train(
                 if outcome.stop:  # the one place the stop decision is read
                     report(reporter.flush())
                     keep(step)
-                    publish(last=True)
+                    publish(run_ends=True)
                     reporter.message(f"stop requested: checkpoint of step {step} saved")
                     result.stopped = True
                     return result
@@ -432,7 +432,7 @@ def train(
             report(reporter.flush())
             if start < last:
                 keep(last)
-            publish(last=True)
+            publish(run_ends=True)
             if start >= last and path is not None:
                 reporter.message(f"{path} is the last step ({last}): nothing left to train")
                 result.checkpoint = str(path)

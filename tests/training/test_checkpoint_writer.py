@@ -49,6 +49,62 @@ def test_a_failed_job_is_raised_by_result_and_stops_the_rest(tmp_path):
     assert ran == []
 
 
+def pending_save(tmp_path, job) -> checkpoint.PendingSave:
+    """A save of step 1 under tmp_path whose one job is `job`, written behind the caller."""
+    (tmp_path / ".tmp-step-0000001").mkdir()
+    return checkpoint.PendingSave(
+        tmp=tmp_path / ".tmp-step-0000001",
+        final=tmp_path / "step-0000001",
+        keep=0,
+        needed=1 << 20,
+        writing=checkpoint_writer.start([job], [], background=True),
+        background=True,
+        waited_s=0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(28, "No space left on device"),
+        PermissionError(13, "Permission denied"),
+        RuntimeError("File rng/rank00000.pt cannot be opened."),  # torch.save's own
+    ],
+)
+def test_a_write_the_disk_refused_is_one_line_at_the_publish(tmp_path, group, error):
+    """The user's to fix (a full disk, permissions), however a library wrapped it: one line
+    on every rank (agreed before anything raises), and nothing published."""
+    run = SimpleNamespace(rank=0, world=1, is_main=True)
+
+    def job():
+        raise error
+
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.publish(run, pending_save(tmp_path, job))
+    assert "\n" not in str(refused.value) and str(tmp_path) in str(refused.value)
+    assert not (tmp_path / "step-0000001").exists()
+
+
+def test_a_bug_in_a_writer_is_raised_as_it_is(tmp_path, group):
+    run = SimpleNamespace(rank=0, world=1, is_main=True)
+
+    def job():
+        raise TypeError("a bug of ours")
+
+    with pytest.raises(TypeError, match="a bug of ours"):
+        checkpoint.publish(run, pending_save(tmp_path, job))
+
+
+def test_old_checkpoints_being_deleted_count_as_free_space(tmp_path):
+    """The next save's space check runs while the deletion behind training may not have
+    ended: the bytes still there are ours to count (checkpoint.check_space)."""
+    (tmp_path / ".tmp-old-step-0000001" / "optim").mkdir(parents=True)
+    (tmp_path / ".tmp-old-step-0000001" / "optim" / "a").write_bytes(b"x" * 300)
+    (tmp_path / "step-0000002").mkdir()
+    (tmp_path / "step-0000002" / "b").write_bytes(b"x" * 50)  # kept: not being freed
+    assert checkpoint.being_freed(tmp_path) == 300
+
+
 def test_the_weights_written_are_those_of_the_save(tmp_path, monkeypatch):
     """On CPU a parameter's .cpu() is the parameter itself: a writer behind training given
     it would write the next step's weights (the old host_weights did)."""
