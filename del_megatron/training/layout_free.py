@@ -349,14 +349,17 @@ def save_job(
     name = file_name(tp_rank, dp_rank)
     metadata = {"format": str(FORMAT), "tensor_parallel_rank": str(tp_rank)}
     table = [(n, start, stop) for n, start, stop, _ in pieces]
-    where: dict[str, list[dict[str, Any]]] = {n: [] for n, _ in params}
-    for tp, dp, held in collectives.all_gather_object((tp_rank, dp_rank, table)):
-        for n, start, stop in held:
-            where[n].append(
-                {"tp": tp, "dp": dp, "start": start, "stop": stop, "file": file_name(tp, dp)}
-            )
+    # to global rank 0 (tensor- and data-parallel rank 0, megatron's order) alone, the index's
+    # writer: no rank but it receives the world's tables
+    tables = collectives.gather_object((tp_rank, dp_rank, table))
     index = None
-    if tp_rank == 0 and dp_rank == 0:
+    if tables is not None:
+        where: dict[str, list[dict[str, Any]]] = {n: [] for n, _ in params}
+        for tp, dp, held in tables:
+            for n, start, stop in held:
+                where[n].append(
+                    {"tp": tp, "dp": dp, "start": start, "stop": stop, "file": file_name(tp, dp)}
+                )
         index = {
             "format": FORMAT,
             "tensor_parallel": tp_size,
@@ -411,6 +414,9 @@ def read_index(checkpoint: Path) -> dict[str, Any]:
         if index.get("format") not in READS:
             raise ValueError(f"format {index.get('format')}, this version reads {READS}")
         int(index["tensor_parallel"]), int(index["data_parallel"]), list(index["params"])
+        if index["format"] >= 3:  # every parameter's fragments, which the load maps
+            for entry in index["params"]:
+                list(entry["fragments"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise LayoutFreeError(f"{path}: unreadable ({one_line(err)[:200]})") from None
     return index

@@ -384,3 +384,19 @@ def test_written_pieces_read_back_by_byte_range(tmp_path):
                 assert torch.equal(files.read("f.safetensors", f"{name}/{key}", 1, 2), value[1:2])
         with pytest.raises(layout_free.LayoutFreeError, match="f.safetensors: unreadable"):
             files.read("f.safetensors", "d/fp32", 0, 1)
+
+
+def test_an_index_of_format_3_without_fragments_is_one_line(tmp_path):
+    """What the load maps is each parameter's fragments: an index that says format 3 and
+    lacks them is refused when read (before: a KeyError traceback in the middle of the
+    load, on the ranks that reached it)."""
+    (tmp_path / "optim").mkdir()
+    params = [{"name": "w", "canonical": "w", "partition": None, "shape": [2], "writer": 0}]
+    index = {"format": 3, "tensor_parallel": 1, "data_parallel": 1, "params": params}
+    (tmp_path / "optim" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(layout_free.LayoutFreeError, match="index.json: unreadable") as refused:
+        layout_free.read_index(tmp_path)
+    assert "\n" not in str(refused.value)
+    params[0]["fragments"] = []
+    (tmp_path / "optim" / "index.json").write_text(json.dumps(index))
+    assert layout_free.read_index(tmp_path)["format"] == 3
