@@ -129,8 +129,8 @@ def _factor_parts(
     largest = got_flat.abs().max()
     residual = (got_flat - scale * pred_flat).abs().max()
     bound = 256 * torch.finfo(got[0].dtype).eps * largest
-    # a zero prediction takes only a zero gradient
-    holds = ~(residual > bound) & ((norm != 0) | (largest == 0))
+    # a zero prediction takes only a zero gradient (or a non-finite one, which passes)
+    holds = ~(residual > bound) & ((norm != 0) | (largest == 0) | ~torch.isfinite(largest))
     return scale, holds
 
 

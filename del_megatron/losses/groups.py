@@ -90,7 +90,8 @@ def grouped_targets(
     else:
         weights = torch.ones(place.shape, dtype=dtype, device=safe.device)
     slot = torch.arange(vocab.max_digits, device=safe.device)
-    # a legal set (k = 0's) off the slots: gathered, never read, given no gradient
+    # a legal set off the slots (offset 0: the single digits' sets): gathered, never read,
+    # given no gradient
     offset = torch.where(is_slot, slot_offset(count.unsqueeze(-1), slot), 0)
     return Targets(
         shape=valid.shape,

@@ -188,6 +188,10 @@ def test_common_factor():
     zeros = [torch.zeros(4), torch.zeros(2, 2)]
     assert common_factor(zeros, [torch.zeros(4), torch.zeros(2, 2)]) == 0.0
     assert common_factor(got, [torch.zeros(4), torch.zeros(2, 2)]) is None
+    # non-finite values pass (the step is skipped): also against a zero prediction, where the
+    # promised path's device assertion would otherwise end the run
+    nan = [torch.full((4,), float("nan")), torch.zeros(2, 2)]
+    assert common_factor(nan, [torch.zeros(4), torch.zeros(2, 2)]) == 0.0
 
 
 def test_grad_of_a_non_leaf_weight(group):
