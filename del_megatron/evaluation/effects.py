@@ -13,6 +13,7 @@ from dataclasses import dataclass
 # Fewer pairs give no claim: with 2 seeds a discrete metric (digit accuracy on a few hundred
 # digits) often moves by the same amount at both, a zero-width interval that says nothing.
 MIN_PAIRS = 3
+CONFIDENCE = 0.95  # of every interval the report gives
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,17 @@ class Interval:
     n: int  # pairs
 
     @property
+    def testable(self) -> bool:
+        """From MIN_PAIRS pairs or more: an interval that may be read as excluding 0."""
+        return self.n >= MIN_PAIRS
+
+    @property
     def excludes_zero(self) -> bool:
         """The interval excludes 0, from MIN_PAIRS pairs or more."""
-        return self.n >= MIN_PAIRS and (self.low > 0 or self.high < 0)
+        return self.testable and (self.low > 0 or self.high < 0)
 
 
-def t_interval(values: list[float], confidence: float = 0.95) -> Interval:
+def t_interval(values: list[float], confidence: float = CONFIDENCE) -> Interval:
     """The mean of `values` and its two-sided Student t interval (n - 1 degrees of
     freedom); NaN bounds for fewer than two values. NaN values are left out."""
     from scipy.stats import t
@@ -51,7 +57,7 @@ def paired_differences(values: dict[int, float], baseline: dict[int, float]) -> 
 
 
 def paired_effect(
-    values: dict[int, float], baseline: dict[int, float], confidence: float = 0.95
+    values: dict[int, float], baseline: dict[int, float], confidence: float = CONFIDENCE
 ) -> Interval:
     """The mean difference to the baseline over seeds, with its paired t interval."""
     return t_interval(paired_differences(values, baseline), confidence)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..outputs import write_text_atomic
-from .effects import MIN_PAIRS, Interval, paired_effect, steps_to_threshold, t_interval
+from .effects import CONFIDENCE, MIN_PAIRS, Interval, paired_effect, steps_to_threshold, t_interval
 
 BASELINE = "mle"
 THRESHOLD = 0.8  # of the best digit accuracy: steps-to-threshold (sample efficiency)
@@ -191,7 +191,7 @@ def effect_tables(rows: list[dict]) -> tuple[str, list[str], int]:
                 for kind in kinds
                 if table[task, kind].excludes_zero
             ]
-            tested += sum(table[task, k].n >= MIN_PAIRS for k in kinds)
+            tested += sum(table[task, k].testable for k in kinds)
         lines.append("")
     return "\n".join(lines), notes, tested
 
@@ -330,7 +330,9 @@ def report(rows: list[dict], *, protocol: dict, command: str, minutes: float) ->
     # many intervals at 95% each: some exclude 0 by chance alone, so say how many to expect
     chance = (
         f"{len(notes)} of {tested} intervals exclude 0; with no real difference anywhere, "
-        f"about {tested / 20:.0f} would by chance alone (5% each). A single **✱** is a lead; "
+        # rounded first: 1 - 0.95 is not exactly 0.05 in binary
+        f"about {round(tested * (1 - CONFIDENCE), 9):.0f} would by chance alone "
+        f"({1 - CONFIDENCE:.0%} each). A single **✱** is a lead; "
         "the same effect on several tasks, or far from 0, is a finding."
     )
     return f"""# Numeric tasks: every loss kind against MLE
