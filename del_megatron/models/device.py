@@ -166,16 +166,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# bf16 dense peak FLOP/s per device, for MFU (the vendors' figures for SXM parts)
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+# bf16 dense (no sparsity) peak FLOP/s, for MFU, by the exact name CUDA gives the device
+# (torch.cuda.get_device_name): NVIDIA's datasheets. One chip sold in several forms differs
+# in clocks and power: an H100 PCIe peaks at 756, an H100 NVL at 835, the SXM part at 989.
+PEAK_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,  # SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA L40S": 362e12,
+}
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """This device's bf16 dense peak, None where unknown (no MFU is reported then)."""
+    """This device's bf16 dense peak, None for a name not in PEAK_FLOPS (no MFU is reported
+    then, rather than another part's peak)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return PEAK_FLOPS.get(torch.cuda.get_device_name(device))
 
 
 def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:

@@ -47,13 +47,22 @@ def count_parameters(arch: LlamaArchitecture, tp: int) -> ParameterCount:
 
 
 def flops_per_token(arch: LlamaArchitecture, tp: int, seq_len: int) -> int:
-    """Training FLOPs a token costs (forward and backward): 6 per parameter of the model as
-    built (the padded vocabulary's rows are multiplied too) plus attention's 12 x layers x
-    hidden x sequence. From the architecture, not from the built model's tensors: ZeRO 3
-    leaves those empty after `deepspeed.initialize`, and a tensor-parallel rank holds a
-    share of them."""
-    attention = 12 * arch.num_layers * arch.hidden_size * seq_len
-    return 6 * count_parameters(arch, tp).total + attention
+    """Training FLOPs a token costs (forward and backward), as Megatron-LM counts them
+    (megatron/training/training.py, `num_floating_point_operations`, dense GPT, every
+    sequence of length `seq_len`): 3 passes (forward, input and weight gradients) x 2 FLOPs a
+    multiply-add, over each matmul's weights: per layer q/k/v and the output projection
+    (h x (q + 2 kv) + q x h) and SwiGLU's three (3 x h x ffn), and the logits once (h x the
+    padded vocabulary, tied or not: the input embedding is a lookup, no matmul); plus the
+    core attention, QK^T and softmax x V over the causal half of the sequence: 6 x q x s a
+    layer. Norms and biases are not counted. From the architecture, not from the built
+    model's tensors: ZeRO 3 leaves those empty after `deepspeed.initialize`, and a
+    tensor-parallel rank holds a share of them."""
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels
+    layer = h * (q + 2 * kv) + q * h + 3 * h * f
+    matmul_weights = arch.num_layers * layer + h * arch.padded_vocab_size(tp)
+    core_attention = arch.num_layers * q * seq_len
+    return 6 * matmul_weights + 6 * core_attention
 
 
 def model_state_bytes(

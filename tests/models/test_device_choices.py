@@ -20,6 +20,9 @@ Three classes, each failing on the code before:
   group`). A meta tensor stands in for the CUDA one under gloo:
   `test_the_probes_agreement_takes_no_tensor_of_the_device` failed with "all_reduce: a meta
   tensor handed to a gloo group" (with and without DEL_COLLECTIVES_ON_ONE_RANK).
+
+And MFU's peak is the device's by its exact name: by substring, an H100 PCIe and an H100 NVL
+got the SXM part's peak (`test_peak_flops_by_the_exact_device_name` failed for both).
 """
 
 from __future__ import annotations
@@ -147,3 +150,20 @@ def test_the_probes_agreement_takes_no_tensor_of_the_device(switch, fails, group
     monkeypatch.setattr(device, "synchronize", lambda _device: None)
     found = device.compile_probe.__wrapped__("meta")
     assert found == ("RuntimeError: no C compiler" if fails else None)
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),  # before: the SXM part's 989 (MFU understated 1.31x)
+        ("NVIDIA H100 NVL", 835e12),  # before: 989 (1.18x)
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA H100 SXM5 94GB", None),  # a name not in the table: no MFU, not a guess
+    ],
+)
+def test_peak_flops_by_the_exact_device_name(name, peak, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: name)
+    assert device.peak_flops(torch.device("cuda")) == peak
+    assert device.peak_flops(CPU) is None

@@ -94,3 +94,62 @@ def test_the_tiny_configs_size_in_words_is_the_plans():
     said = float(re.search(r"~([\d.]+)M-parameter", text).group(1))
     counted = count_parameters(load_run_config(ROOT / "configs" / "tiny_cpu.yaml", []).model, 2)
     assert said == round(counted.unpadded / 1e6, 1)
+
+
+def megatron_lm_flops_per_token(cfg) -> float:
+    """Megatron-LM's count (megatron/training/training.py, `num_floating_point_operations`,
+    `transformer_flops`: a dense GPT with SwiGLU and grouped-query attention, one sequence of
+    `seq_length` per sample), divided by the tokens of the batch, in its own terms."""
+    arch, s = cfg.model, cfg.train.seq_len
+    forward_backward_expansion_factor, fma_expansion_factor, ffn_expansion_factor = 3, 2, 3
+    query_projection_size = arch.kv_channels * arch.num_attention_heads
+    key_projection_size = value_projection_size = arch.kv_channels * arch.num_query_groups
+    standard_self_attn_term = (
+        forward_backward_expansion_factor
+        * fma_expansion_factor
+        * (
+            arch.hidden_size
+            * (query_projection_size + key_projection_size + value_projection_size)
+            + query_projection_size * s / 2 * 2  # core attention, causal half
+            + query_projection_size * arch.hidden_size
+        )
+    )
+    batch_size = 1
+    total = (
+        batch_size
+        * s
+        * (
+            forward_backward_expansion_factor
+            * fma_expansion_factor
+            * arch.hidden_size
+            * (arch.ffn_hidden_size * ffn_expansion_factor)
+            * arch.num_layers
+            + standard_self_attn_term * arch.num_layers
+            + forward_backward_expansion_factor
+            * fma_expansion_factor
+            * arch.hidden_size
+            * arch.padded_vocab_size(cfg.parallel.tensor_parallel)
+        )
+    )
+    return total / (batch_size * s)
+
+
+@pytest.mark.parametrize("name", [*SEVEN_B, "llama3.1_8b", "qwen2.5_1.5b", "tiny_cpu"])
+def test_flops_per_token_are_megatron_lms(name):
+    """MFU's FLOPs: the logits matmul once, the input embedding (a lookup) not at all, the
+    core attention over the causal half. Before: 6 per parameter, the untied input embedding
+    included, and 12 x layers x h x s of attention (MFU of bench/train_step.py --gpu-7b
+    overstated by a quarter)."""
+    from del_megatron.training.plan import flops_per_token
+
+    cfg = load_run_config(ROOT / "configs" / f"{name}.yaml", [])
+    tp = cfg.parallel.tensor_parallel
+    assert flops_per_token(cfg.model, tp, cfg.train.seq_len) == megatron_lm_flops_per_token(cfg)
+
+
+def test_tied_and_untied_embeddings_cost_the_same():
+    from del_megatron.training.plan import flops_per_token
+
+    untied = load_run_config(ROOT / "configs" / "llama2_7b.yaml", []).model
+    tied = untied.model_copy(update={"tie_word_embeddings": True})
+    assert flops_per_token(tied, 8, 4096) == flops_per_token(untied, 8, 4096)
