@@ -87,6 +87,11 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     activation_checkpointing: bool = True
     """Recompute activations in backward (GPU only; megatron's recompute needs CUDA RNG)."""
+    deterministic: bool = False
+    """torch's deterministic kernels only (models/device.deterministic_algorithms), as
+    Megatron-LM's --deterministic-mode: two runs of one command on one machine repeat bit for
+    bit (a resumed run its straight twin); some kernels are slower; an op without such a
+    kernel fails the run."""
     log_interval: int = Field(default=10, gt=0)
     eval_interval: int = Field(default=0, ge=0)
     """Evaluate on eval.sources every this many steps (0: only before and after)."""

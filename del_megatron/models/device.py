@@ -94,6 +94,19 @@ def select_accelerator(device: torch.device) -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 
+def deterministic_algorithms(enabled: bool) -> None:
+    """train.deterministic: torch's deterministic kernels only, an error where an op has
+    none (torch.use_deterministic_algorithms; embedding and attention backwards, scatters and
+    index adds take their ordered forms), and cuBLAS's workspace fixed before its first use
+    (CUBLAS_WORKSPACE_CONFIG, which it reads then): what two runs need to repeat bit for
+    bit. Call before the first CUDA kernel."""
+    import os
+
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
 @contextlib.contextmanager
 def quiet_communication_setup(device: torch.device):
     """On CPU, DeepSpeed loads its shared-memory all-reduce op and prints that it 'built

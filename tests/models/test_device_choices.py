@@ -27,6 +27,7 @@ got the SXM part's peak (`test_peak_flops_by_the_exact_device_name` failed for b
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -167,3 +168,22 @@ def test_peak_flops_by_the_exact_device_name(name, peak, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: name)
     assert device.peak_flops(torch.device("cuda")) == peak
     assert device.peak_flops(CPU) is None
+
+
+def test_train_deterministic_makes_torch_deterministic(monkeypatch):
+    """train.deterministic (what the GPU acceptance's bit-for-bit resume runs with): torch's
+    deterministic kernels, cuBLAS's workspace fixed; off, nothing changes."""
+    from del_megatron.config import TrainConfig
+
+    train = {"steps": 1, "micro_batch_size": 1, "global_batch_size": 1, "seq_len": 8}
+    assert not TrainConfig(**train).deterministic  # off by default
+    assert TrainConfig(**train, deterministic=True).deterministic
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    device.deterministic_algorithms(False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        device.deterministic_algorithms(True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
