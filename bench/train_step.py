@@ -6,9 +6,11 @@
 One engine, one model; the loss kind is switched between alternating steps by handing the
 model the loss head of that kind (`NumericLossGPTModel.head`, which its forward calls; the
 MLE and DEL heads hold no parameters or buffers, so the engine sees the same model), so
-everything else is identical. Prints the median step time of each and the ratio, tokens/s,
-the numeric term each kind's steps reported (nan for MLE, which has none: the check that the
-variants really differ); on GPU also TFLOP/s per GPU and MFU.
+everything else is identical. Prints the median step time of each and the ratio, tokens/s
+from that time (synchronised around each step) beside the trainer's own (from its step time,
+which ends at the step's agreement), on GPU TFLOP/s per GPU and MFU as the trainer reports
+them, and the numeric term each kind's steps reported (nan for MLE, which has none: the
+check that the variants really differ).
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in heads}
     rates: dict[str, list[float]] = {k: [] for k in heads}
     tflops: dict[str, list[float]] = {k: [] for k in heads}
+    reported: dict[str, list[float]] = {k: [] for k in heads}  # the trainer's tokens/s
     numeric: dict[str, list[float]] = {k: [] for k in heads}
     for i in range(args.warmup + 2 * args.steps):
         kind = ("del", "mle")[(i + i // 2) % 2]  # ABBA order: no kind always goes first
@@ -136,6 +139,7 @@ def main() -> None:
             times[kind].append(time.perf_counter() - start)
             rates[kind].append(outcome.metrics.host.get("mfu", float("nan")))
             tflops[kind].append(outcome.metrics.host.get("tflops", float("nan")))
+            reported[kind].append(outcome.metrics.host["tokens_per_s"])
             numeric[kind].append(outcome.metrics.values()["numeric"])  # after the timing
     if run.is_main:
         base = statistics.median(times["mle"])
@@ -145,8 +149,8 @@ def main() -> None:
             f"TP {cfg.parallel.tensor_parallel}, DP {run.dp_size}, {tokens} tokens a step"
         )
         print(
-            f"{'kind':6s} {'step ms':>9s} {'ratio':>7s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
-            f"{'MFU':>6s} {'numeric':>8s}"
+            f"{'kind':6s} {'step ms':>9s} {'ratio':>7s} {'tokens/s':>10s} {'trainer':>10s} "
+            f"{'TFLOP/s':>8s} {'MFU':>6s} {'numeric':>8s}"
         )
         for kind in ("mle", "del"):
             median = statistics.median(times[kind])
@@ -154,7 +158,8 @@ def main() -> None:
             flops = statistics.median(tflops[kind])  # per GPU, as the trainer counts them
             print(
                 f"{kind:6s} {median * 1e3:9.1f} {median / base:6.3f}x {tokens / median:10.0f} "
-                f"{flops:8.1f} {mfu:6.3f} {statistics.fmean(numeric[kind]):8.4f}"
+                f"{statistics.median(reported[kind]):10.0f} {flops:8.1f} {mfu:6.3f} "
+                f"{statistics.fmean(numeric[kind]):8.4f}"
             )
 
 

@@ -37,9 +37,15 @@ class _Section(BaseModel):
 class ParallelConfig(_Section):
     tensor_parallel: int = Field(default=1, ge=1)
     """Tensor-parallel size (ranks sharing one layer); data-parallel size = world / this."""
-    zero_stage: Literal[1, 2, 3] = 1
+    zero_stage: Literal[1, 2, 3] = 2
     """DeepSpeed ZeRO stage across data-parallel ranks (its optimizers skip steps with
-    non-finite gradients; stage 0's plain optimizer would apply them)."""
+    non-finite gradients; stage 0's plain optimizer would apply them). 2 by default: with
+    bf16 and float32 gradient sums DeepSpeed runs stage 1 as its BF16_Optimizer, which keeps
+    a float32 gradient of every parameter and the bf16 one on every GPU (8 bytes a parameter,
+    whatever the data parallelism) and all-reduces the whole float32 buffer; stage 2 keeps
+    this rank's float32 partition and reduce-scatters it (half the bytes); stage 3 also
+    partitions the weights, gathered in forward and again in backward where stage 2
+    all-gathers them once a step, and holds a float32 reduce bucket (training/plan.py)."""
     collective_timeout_minutes: int = Field(default=60, gt=0)
     """How long a rank waits in a collective before the run fails: the timeout of the
     process group and of megatron-core's groups. While some ranks write a checkpoint the
@@ -81,6 +87,11 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     activation_checkpointing: bool = True
     """Recompute activations in backward (GPU only; megatron's recompute needs CUDA RNG)."""
+    deterministic: bool = False
+    """torch's deterministic kernels only (models/device.deterministic_algorithms), as
+    Megatron-LM's --deterministic-mode: two runs of one command on one machine repeat bit for
+    bit (a resumed run its straight twin); some kernels are slower; an op without such a
+    kernel fails the run."""
     log_interval: int = Field(default=10, gt=0)
     eval_interval: int = Field(default=0, ge=0)
     """Evaluate on eval.sources every this many steps (0: only before and after)."""

@@ -67,11 +67,16 @@ def init_distributed(device: torch.device, timeout_minutes: int) -> tuple[int, i
 
 def init_model_parallel(tensor_parallel: int, timeout_minutes: int) -> None:
     """megatron-core's groups, their collectives waiting `timeout_minutes` as the process
-    group's (megatron's own default is 30)."""
+    group's (megatron's own default is 30). No gloo groups beside them: megatron makes them
+    by default for its own distributed optimizer and checkpointing, which this run does not
+    use, and each is a full mesh over the host name's interface at start (the
+    GLOO_SOCKET_IFNAME hang of collectives.py's decision)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel, distributed_timeout_minutes=timeout_minutes
+        tensor_model_parallel_size=tensor_parallel,
+        distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=False,
     )
 
 

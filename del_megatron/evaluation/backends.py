@@ -86,14 +86,21 @@ def _hf_vocab_size(path: Path) -> int:
         raise UserError(f"{path}/config.json: no vocab_size ({err})") from None
 
 
-def _single_process_groups() -> None:
+def _single_process_groups(device: torch.device) -> None:
+    """The groups of a one-process run on `device`, made as a training run makes them: the
+    backend that takes this device's tensors (NCCL on CUDA: the model's probes and every
+    statistic live there) and megatron's groups at TP 1 without gloo groups of their own."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from ..models.device import process_group_backend
+    from ..parallel import init_model_parallel
+
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        backend = process_group_backend(device)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        init_model_parallel(1, timeout_minutes=60)
 
 
 def load_model(path: Path, device: torch.device) -> Loaded:
@@ -119,7 +126,7 @@ def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
     tokenizer = Tokenizer(tokenizer_path)
     arch = weights.arch
     check_vocabulary(arch.vocab_size, tokenizer, f"{path}/{WEIGHTS}/arch.json")
-    _single_process_groups()
+    _single_process_groups(device)
     model = build_llama(
         arch,
         tokenizer.digit_vocab,

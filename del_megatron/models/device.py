@@ -52,11 +52,23 @@ FUSION_FLAGS = (
 
 
 def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether megatron-core itself runs Transformer Engine in this process, read from the
+    answers megatron gave when it was imported: its TE extension imported TE's PyTorch part
+    (`megatron.core.extensions.transformer_engine.HAVE_TE`), its decoder block did (which
+    then builds the final norm as TE's) and its rotary embedding found TE's fused RoPE (which
+    TransformerConfig requires for apply_rope_fusion). `import transformer_engine` alone is
+    weaker: TE's own `__init__` swallows the ImportError of `transformer_engine.pytorch`
+    (a TE built without its PyTorch part, or a torch upgraded under it), so the TE spec and
+    the RoPE fusion would be chosen where megatron has neither."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import transformer_block
+
+    return bool(
+        te_extension.HAVE_TE
+        and transformer_block.HAVE_TE
+        and rope_utils.fused_apply_rotary_pos_emb is not None
+    )
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -80,6 +92,19 @@ def select_accelerator(device: torch.device) -> None:
     # relies on kernels starting in launch order, which one hardware queue per device gives
     # (Megatron-LM and NeMo set the same; megatron warns without it). No effect on CPU.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def deterministic_algorithms(enabled: bool) -> None:
+    """train.deterministic: torch's deterministic kernels only, an error where an op has
+    none (torch.use_deterministic_algorithms; embedding and attention backwards, scatters and
+    index adds take their ordered forms), and cuBLAS's workspace fixed before its first use
+    (CUBLAS_WORKSPACE_CONFIG, which it reads then): what two runs need to repeat bit for
+    bit. Call before the first CUDA kernel."""
+    import os
+
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
 
 
 @contextlib.contextmanager
@@ -154,16 +179,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# bf16 dense peak FLOP/s per device, for MFU (the vendors' figures for SXM parts)
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+# bf16 dense (no sparsity) peak FLOP/s, for MFU, by the exact name CUDA gives the device
+# (torch.cuda.get_device_name): NVIDIA's datasheets. One chip sold in several forms differs
+# in clocks and power: an H100 PCIe peaks at 756, an H100 NVL at 835, the SXM part at 989.
+PEAK_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,  # SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA L40S": 362e12,
+}
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """This device's bf16 dense peak, None where unknown (no MFU is reported then)."""
+    """This device's bf16 dense peak, None for a name not in PEAK_FLOPS (no MFU is reported
+    then, rather than another part's peak)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return PEAK_FLOPS.get(torch.cuda.get_device_name(device))
 
 
 def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:
@@ -300,28 +340,57 @@ def compile_probe(device_type: str) -> str | None:
         synchronize(x.device)
     except Exception as err:  # whatever the compiler raises: the flags go off
         error = one_line(f"{type(err).__name__}: {err}")[:200]
-    return _agreed_failure(error, device_type)
+    return _agreed_failure(error)
 
 
-def _agreed_failure(error: str | None, device_type: str) -> str | None:
-    import torch.distributed as dist
-
+def _agreed_failure(error: str | None) -> str | None:
+    """`error`, or why another rank's probe failed: a host fact agreed as an object (torch
+    stages it where the group's backend takes it), so no group, one-process groups included,
+    is handed a tensor of the probed device."""
     from .. import collectives
 
-    if not dist.is_initialized():
-        return error
-    failed = torch.tensor(float(error is not None), device=device_type)
-    collectives.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item() and error is None:
-        return "it failed on another rank"
-    return error
+    failed = any(other is not None for other in collectives.all_gather_object(error))
+    return error or ("it failed on another rank" if failed else None)
+
+
+def gpt_decoder_spec(device: torch.device, num_layers: int, *, qk_layernorm: bool = False):
+    """The decoder's modules on this device, every one named here: `num_layers` layers of
+    `gpt_layer_spec` and the final norm of `final_norm`. A layer spec alone would leave the
+    final norm to megatron's own import-time choice (transformer_block.LayerNormImpl: TE's,
+    else Apex's, else torch's, whatever the device): Apex's FusedLayerNorm refuses RMSNorm,
+    and TE's on CPU parameters fails its first forward. No pipeline parallelism: every layer
+    on this rank."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = gpt_layer_spec(device, qk_layernorm=qk_layernorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * num_layers, layer_norm=final_norm(device)
+    )
+
+
+def uses_transformer_engine(device: torch.device) -> bool:
+    """Transformer Engine's modules for a model on `device`: CUDA, where megatron runs TE."""
+    return device.type == "cuda" and transformer_engine_available()
+
+
+def final_norm(device: torch.device) -> type:
+    """The decoder's final RMSNorm on this device: TE's with the TE spec, torch's otherwise."""
+    if uses_transformer_engine(device):
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm
 
 
 def gpt_layer_spec(device: torch.device, *, qk_layernorm: bool = False):
-    """The megatron-core layer spec for a Llama-family decoder layer on this device."""
+    """The megatron-core layer spec for a Llama-family decoder layer on this device: every
+    submodule (norms, linear layers, core attention) named by the spec, none left to
+    megatron's import-time choice."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if device.type == "cuda" and transformer_engine_available():
+    if uses_transformer_engine(device):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         normalization="RMSNorm", qk_layernorm=qk_layernorm

@@ -10,7 +10,7 @@ import torch
 
 from ..losses import DigitVocab, NumericLossConfig
 from .architecture import LlamaArchitecture
-from .device import apply_device_shims, gpt_layer_spec, seed_rngs, transformer_config_overrides
+from .device import apply_device_shims, gpt_decoder_spec, seed_rngs, transformer_config_overrides
 from .gpt import NumericLossGPTModel
 
 
@@ -89,7 +89,7 @@ def build_llama(
     )
     model = NumericLossGPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(device),
+        transformer_layer_spec=gpt_decoder_spec(device, arch.num_layers),
         vocab_size=arch.padded_vocab_size(tp),
         max_sequence_length=arch.max_position_embeddings,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,

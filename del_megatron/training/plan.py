@@ -1,6 +1,9 @@
 """A run's memory plan per GPU, before anything is allocated: parameters, model states by ZeRO
-stage (the accounting of DeepSpeed's own estimators, which a test checks), activations at the
-configured micro-batch, sequence and recompute, the logits of the loss, against the device.
+stage as DeepSpeed allocates them for the run's own DeepSpeed config (bf16 weights, gradients
+summed and reduced in float32: `config.deepspeed_config`), DeepSpeed's buffers, activations
+at the configured micro-batch, sequence and recompute, the logits of the loss, against the
+device. A test trains DeepSpeed's engine at every stage and counts its tensors
+(tests/distributed/test_zero_memory.py).
 
 Activations are an estimate for megatron-core's Llama layer in bf16 without sequence
 parallelism and with flash attention (no [s, s] score matrix kept: Transformer Engine's
@@ -47,31 +50,102 @@ def count_parameters(arch: LlamaArchitecture, tp: int) -> ParameterCount:
 
 
 def flops_per_token(arch: LlamaArchitecture, tp: int, seq_len: int) -> int:
-    """Training FLOPs a token costs (forward and backward): 6 per parameter of the model as
-    built (the padded vocabulary's rows are multiplied too) plus attention's 12 x layers x
-    hidden x sequence. From the architecture, not from the built model's tensors: ZeRO 3
-    leaves those empty after `deepspeed.initialize`, and a tensor-parallel rank holds a
-    share of them."""
-    attention = 12 * arch.num_layers * arch.hidden_size * seq_len
-    return 6 * count_parameters(arch, tp).total + attention
+    """Training FLOPs a token costs (forward and backward), as Megatron-LM counts them
+    (megatron/training/training.py, `num_floating_point_operations`, dense GPT, every
+    sequence of length `seq_len`): 3 passes (forward, input and weight gradients) x 2 FLOPs a
+    multiply-add, over each matmul's weights: per layer q/k/v and the output projection
+    (h x (q + 2 kv) + q x h) and SwiGLU's three (3 x h x ffn), and the logits once (h x the
+    padded vocabulary, tied or not: the input embedding is a lookup, no matmul); plus the
+    core attention, QK^T and softmax x V over the causal half of the sequence: 6 x q x s a
+    layer. Norms and biases are not counted. From the architecture, not from the built
+    model's tensors: ZeRO 3 leaves those empty after `deepspeed.initialize`, and a
+    tensor-parallel rank holds a share of them."""
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels
+    layer = h * (q + 2 * kv) + q * h + 3 * h * f
+    matmul_weights = arch.num_layers * layer + h * arch.padded_vocab_size(tp)
+    core_attention = arch.num_layers * q * seq_len
+    return 6 * matmul_weights + 6 * core_attention
+
+
+def rank_tensors(arch: LlamaArchitecture, tp: int) -> list[int]:
+    """The element count of every parameter tensor one tensor-parallel rank holds, as built
+    (padded vocabulary; norms and biases whole on every rank)."""
+    h, d, f = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    vocab = arch.padded_vocab_size(tp) // tp * h
+    layer = [h, (q + 2 * kv) * h // tp, h * q // tp, h, 2 * f * h // tp, f * h // tp]
+    if arch.qkv_bias:
+        layer.append((q + 2 * kv) // tp)
+    embeddings = [vocab] * (1 if arch.tie_word_embeddings else 2)
+    return embeddings + layer * arch.num_layers + [h]
+
+
+@dataclass(frozen=True)
+class ZeroSizes:
+    """The sizes (in elements) of DeepSpeed's zero_optimization section that allocate memory:
+    DeepSpeed's defaults (deepspeed/runtime/zero/config.py, checked against it by a test)
+    unless the run's DeepSpeed config sets them."""
+
+    reduce_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_param_persistence_threshold: int = 100_000
+
+    @classmethod
+    def of(cls, zero_optimization: dict) -> ZeroSizes:
+        names = cls.__dataclass_fields__
+        return cls(**{k: int(v) for k, v in zero_optimization.items() if k in names})
 
 
 def model_state_bytes(
-    params: int, largest_layer: int, data_parallel: int, zero_stage: int, param_bytes: int
+    tensors: list[int], largest_layer: int, data_parallel: int, zero_stage: int, sizes: ZeroSizes
 ) -> dict[str, int]:
-    """Weights, gradients and optimizer states of one GPU holding `params` parameters of
-    one tensor-parallel rank, as DeepSpeed accounts them (estimate_zero2_/zero3_
-    model_states_mem_needs: 2 + 18/N bytes a parameter at stage 2, 4 x largest layer +
-    18/N at stage 3, with bf16 weights). Stage 1 keeps whole bf16 gradients too."""
-    n, b = data_parallel, param_bytes
-    optimizer = 12 * params // n  # fp32 master weights, Adam's two moments
-    if zero_stage == 3:
-        weights = b * params // n + b * largest_layer
-        gradients = 4 * params // n + b * largest_layer
-    else:
-        weights = b * params
-        gradients = 4 * params // n + (b * params if zero_stage == 1 else b * params // n)
-    return {"weights": weights, "gradients": gradients, "optimizer": optimizer}
+    """What DeepSpeed allocates on one GPU for the parameters `tensors` of one tensor-parallel
+    rank (element counts) with bf16 weights and gradients summed and reduced in float32, the
+    run's DeepSpeed config (deepspeed 0.19.8; torch's AdamW: float32 master weights and two
+    moments, 12 bytes a parameter, partitioned at every stage). By part:
+
+    * stage 1: DeepSpeed's BF16_Optimizer (its choice for bf16 with float32 accumulation at
+      stage 1): whole bf16 weights, a float32 gradient buffer of every parameter and the
+      bf16 `.grad` beside it on every rank (runtime/bf16_optimizer.py), 8 bytes a parameter
+      whatever the data-parallel size, and its reduction all-reduces that whole buffer;
+    * stage 2: whole bf16 weights, the float32 gradients of this rank's partition only
+      (stage_1_and_2.py's compact partition buffer); buffers: the bf16 reduce bucket
+      (`reduce_bucket_size`), its float32 copy for the reduce-scatter and the bf16 gradient
+      of the largest layer before it is copied into the bucket, during backward;
+    * stage 3: this rank's partition of the bf16 weights and of the float32 gradients, the
+      persistent parameters (at most `stage3_param_persistence_threshold` elements each)
+      whole; buffers: the float32 reduce bucket, held for the whole run (stage3.py), and the
+      parameters gathered in forward and backward: every one reused within
+      `stage3_max_reuse_distance` stays gathered between its forward and its backward (the
+      whole model when it is smaller), plus the prefetch bucket and the layer at work.
+    """
+    n, params = data_parallel, sum(tensors)
+    optimizer = 12 * params // n
+    if zero_stage == 1:
+        gradients = 4 * params + 2 * params  # float32 and bf16, of every parameter
+        return {"weights": 2 * params, "gradients": gradients, "optimizer": optimizer, "buffers": 0}
+    if zero_stage == 2:
+        bucket = sizes.reduce_bucket_size
+        return {
+            "weights": 2 * params,
+            "gradients": 4 * params // n,
+            "optimizer": optimizer,
+            "buffers": 2 * bucket + 4 * min(bucket, params) + 2 * largest_layer,
+        }
+    threshold = sizes.stage3_param_persistence_threshold
+    persistent = sum(t for t in tensors if t <= threshold)
+    gathered = min(
+        params - persistent,
+        sizes.stage3_max_reuse_distance + sizes.stage3_prefetch_bucket_size + largest_layer,
+    )
+    return {
+        "weights": 2 * params // n + 2 * persistent,
+        "gradients": 4 * params // n,
+        "optimizer": optimizer,
+        "buffers": 4 * sizes.reduce_bucket_size + 2 * gathered + 2 * largest_layer,
+    }
 
 
 def activation_bytes(
@@ -115,7 +189,7 @@ class Plan:
         """The knob that shrinks the largest part."""
         parts = {k: v for k, v in self.per_gpu.items() if k not in ("total", "reserve")}
         largest = max(parts, key=parts.get)
-        if largest in ("weights", "gradients", "optimizer"):
+        if largest in ("weights", "gradients", "optimizer", "buffers"):
             if zero_stage < 3:
                 return f"raise parallel.zero_stage (now {zero_stage}) or parallel.tensor_parallel"
             return "raise parallel.tensor_parallel or use more GPUs (data parallel)"
@@ -153,13 +227,16 @@ def device_memory(assumed_gib: float | None = None) -> tuple[int, str]:
 def plan_run(cfg, world_size: int, *, gpu_memory_gib: float | None = None) -> Plan:
     """The plan of `cfg` at `world_size` ranks, on GPUs (bf16) whatever train.device says:
     the question it answers is whether the run fits there."""
+    from ..config import deepspeed_config
+
     tp = cfg.parallel.tensor_parallel
     dp = cfg.data_parallel_size(world_size)
     params = count_parameters(cfg.model, tp)
     recompute = cfg.train.activation_checkpointing
     b, s = cfg.train.micro_batch_size, cfg.train.seq_len
+    zero = deepspeed_config(cfg, world_size, gpu=True)["zero_optimization"]
     per_gpu = model_state_bytes(
-        params.per_rank, params.largest_layer, dp, cfg.parallel.zero_stage, 2
+        rank_tensors(cfg.model, tp), params.largest_layer, dp, zero["stage"], ZeroSizes.of(zero)
     )
     per_gpu["activations"] = activation_bytes(cfg.model, tp, b, s, recompute, 2)
     per_gpu["logits"] = logits_bytes(cfg.model, tp, b, s, 2)

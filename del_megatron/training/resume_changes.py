@@ -137,6 +137,7 @@ TABLE: dict[str, Rule] = {
     ),
     "train.device": _same("another device, the same state"),
     "train.activation_checkpointing": _SAME_MATH,
+    "train.deterministic": _same("the same math in kernels that repeat bit for bit"),
     "train.log_interval": _INTERVAL,
     "train.eval_interval": _INTERVAL,
     "train.save_interval": _INTERVAL,

@@ -22,6 +22,7 @@ from ..data import StreamingLoader
 from ..errors import UserError
 from ..models.device import (
     batch_to_device,
+    deterministic_algorithms,
     peak_flops,
     recompute_overrides,
     resolve_device,
@@ -87,6 +88,7 @@ def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
     `resume_changes.review` gives)."""
     device = resolve_device(cfg.train.device)
     select_accelerator(device)
+    deterministic_algorithms(cfg.train.deterministic)
     from megatron.core import parallel_state
 
     from ..parallel import MegatronMPU, init_distributed, init_model_parallel

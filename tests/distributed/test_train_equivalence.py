@@ -74,11 +74,11 @@ def assert_follows(got, want, rel: float, atol: float, what: str):
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_tp2_dp2_zero_matches_tp1_dp1(reference, tp2_dp2, zero):
     assert_follows(tp2_dp2[f"{KIND}:{zero}"], reference, 1e-4, 2e-5, f"TP 2 x DP 2 ZeRO {zero}")
-    # MFU's FLOPs per token: 6 per parameter of the whole model + attention's 12 x layers x
-    # hidden x sequence, at every stage and layout (ZeRO 3 empties the parameters a count
-    # after deepspeed.initialize would read; a rank holds a share of them)
-    params = sum(value.numel() for value in reference["params"].values())
-    assert reference["flops_per_token"] == 6 * params + 12 * 2 * 64 * 32
+    # MFU's FLOPs per token, Megatron-LM's count from the architecture (h 64, q 64, kv 32, ffn
+    # 160, 2 layers, V 800, s 32), at every stage and layout (ZeRO 3 empties the parameters a
+    # count after deepspeed.initialize would read; a rank holds a share of them)
+    layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 160
+    assert reference["flops_per_token"] == 6 * (2 * layer + 64 * 800) + 6 * 2 * 64 * 32
     assert tp2_dp2[f"{KIND}:{zero}"]["flops_per_token"] == reference["flops_per_token"]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -78,12 +79,12 @@ def test_the_plan_fits_8_minutes_on_one_h200(tmp_path):
 # ---- the checks' assertions, the commands replaced ----------------------------------------
 
 
-def check(tmp_path, mode=acc.CPU, outputs=(), actions=None, seconds=60.0):
+def check(tmp_path, mode=acc.CPU, outputs=(), actions=None, seconds=60.0, gpus=1):
     """A Check whose commands print `outputs` in turn (exit 0, or 75 when asked to stop, as
     launch/torchrun.sh); actions[i](cmd) writes what the i-th command would have written.
     Check.run's own judging (exit status, the figures a pattern finds) stays."""
     (tmp_path / "logs").mkdir(exist_ok=True)
-    c = acc.Check("t", mode, tmp_path, dict(os.environ), time.monotonic() + seconds)
+    c = acc.Check("t", mode, tmp_path, dict(os.environ), time.monotonic() + seconds, gpus)
     outputs, calls = list(outputs), []
 
     def spawn(cmd, env, stop_when):
@@ -109,21 +110,60 @@ ENV = {"gpus": 1, "deepspeed_accelerator": "cuda", "fused_weight_grad": "addmm",
 
 
 def test_env(tmp_path):
+    """The env child sees the GPUs main() found (before: gpus >= 1, which main() had already
+    made sure of: a child that sees fewer, another CUDA_VISIBLE_DEVICES say, passed)."""
     good = json.dumps(ENV)
     assert verdict(acc.check_env, check(tmp_path, acc.GPU, [good])) == "pass"
-    assert "gpus = 0" in verdict(acc.check_env, check(tmp_path, acc.GPU, [json.dumps(
-        {**ENV, "gpus": 0})]))
+    assert json.loads((tmp_path / "env.json").read_text()) == ENV  # for deepspeed-config
+    assert "gpus = 1, outside its bound [2, 2]" in verdict(
+        acc.check_env, check(tmp_path, acc.GPU, [good], gpus=2))
     assert "accelerator cpu" in verdict(acc.check_env, check(tmp_path, acc.GPU, [json.dumps(
         {**ENV, "deepspeed_accelerator": "cpu"})]))
 
 
-def test_deepspeed_config(tmp_path):
-    config = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
-    assert verdict(acc.check_deepspeed_config, check(tmp_path, outputs=[
-        "del-train: ...\n" + json.dumps(config)])) == "pass"
-    bf16_sums = json.dumps({"bf16": {"enabled": True}})  # DeepSpeed's default: bf16
-    assert "grad_accum_dtype None" in verdict(acc.check_deepspeed_config,
-                                               check(tmp_path, outputs=[bf16_sums]))
+ENGINE = {"optimizer": "DeepSpeedZeroOptimizer", "model_dtype": "torch.bfloat16",
+          "grad_accum_dtype": "torch.float32", "communication_data_type": "torch.float32",
+          "grad_sum": acc.GRAD_SUM}  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({}, "pass"),
+    ({"grad_sum": 1.0}, "zero2_grad_sum = 1"),  # an engine that summed in bf16 anyway
+    ({"grad_accum_dtype": "torch.bfloat16"}, "ZeRO 2: weights, gradient sums, reduction in"),
+    ({"communication_data_type": "torch.bfloat16"}, "ZeRO 2: weights"),
+])
+def test_deepspeed_config(tmp_path, change, expected):
+    """The row judges what DeepSpeed's engines did (read back in the env child), not the JSON
+    config.py generates (before: its own dict, whatever DeepSpeed made of it)."""
+    engines = {"1": ENGINE, "2": {**ENGINE, **change}, "3": ENGINE}
+    (tmp_path / "env.json").write_text(json.dumps({"deepspeed_engines": engines}))
+    result = verdict(acc.check_deepspeed_config, check(tmp_path))
+    assert (result == "pass") if expected == "pass" else (expected in result), result
+
+
+def test_deepspeeds_engines_read_back(group, monkeypatch, tmp_path):
+    """The env child's probe of DeepSpeed's engine, run here (CPU, bf16): the generated config
+    sums the two micro-batches' gradients in float32 at every stage; an engine that ignored
+    data_types.grad_accum_dtype but reads back float32 sums in bf16, and the row fails on the
+    sum."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from del_megatron.config import deepspeed_config, load_run_config
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    config = deepspeed_config(load_run_config(ROOT / "configs/qwen2.5_7b.yaml", []), 8, gpu=True)
+    engines = acc.probe_deepspeed(torch.device("cpu"), config)
+    assert [e["grad_sum"] for e in engines.values()] == [acc.GRAD_SUM] * 3
+    assert engines["1"]["optimizer"] == "BF16_Optimizer"
+    def ignoring(self):  # sums in bf16 inside the engine, says float32 to whoever asks
+        asker = sys._getframe(1).f_code.co_name
+        return torch.bfloat16, torch.float32 if asker == "probe_deepspeed" else torch.bfloat16
+
+    monkeypatch.setattr(DeepSpeedEngine, "get_data_types", ignoring)
+    engines = {**engines, **acc.probe_deepspeed(torch.device("cpu"), config, stages=(2,))}
+    assert engines["2"]["grad_sum"] == 1.0
+    (tmp_path / "env.json").write_text(json.dumps({"deepspeed_engines": engines}))
+    assert "zero2_grad_sum = 1," in verdict(acc.check_deepspeed_config, check(tmp_path, acc.GPU))
 
 
 def write_run(root: Path, name: str, steps: int, change=None) -> None:
@@ -169,35 +209,52 @@ def write_weights(run: Path, steps: int, bump: float = 0.0) -> None:
     save_file({"w": torch.arange(6.0).reshape(2, 3) + bump}, str(model / "tp00.safetensors"))
 
 
-@pytest.mark.parametrize(("bump", "stop_step", "expected"), [
-    (0.0, 4, "pass"), (1e-3, 4, "weights_max_abs_diff"), (0.0, 8, "stopped_at = 8")])
-def test_stop_and_resume(tmp_path, bump, stop_step, expected):
-    write_run(tmp_path, "train-tp1", 8)
-    write_weights(tmp_path / "train-tp1", 8)
+@pytest.mark.parametrize(("mode", "bump", "stop_step", "logged", "expected"), [
+    (acc.CPU, 0.0, 4, 4, "pass"),
+    (acc.GPU, 0.0, 9, 9, "pass"),
+    (acc.CPU, 1e-3, 4, 4, "weights_max_abs_diff"),
+    # a wrong optimizer state after the resume moves weights by ~lr a step: 1e-3 passed the
+    # GPU bound of 2e-2 before; the runs are deterministic now, the bound 0
+    (acc.GPU, 1e-3, 9, 9, "weights_max_abs_diff"),
+    (acc.CPU, 0.0, 8, 8, "stopped_at = 8"),
+    # the stop saved an older step than it trained and logged (before: passed, >= stop_at)
+    (acc.CPU, 0.0, 4, 5, "stopped with a checkpoint of step 4 after training and logging step 5"),
+])
+def test_stop_and_resume(tmp_path, mode, bump, stop_step, logged, expected):
+    write_run(tmp_path, "train-tp1", mode.steps)
+    write_weights(tmp_path / "train-tp1", mode.steps)
     run = tmp_path / "stop-resume-tp1"
 
     def stopped(cmd):
-        write_run(tmp_path, run.name, stop_step)
-        (run / "checkpoints" / f"step-{stop_step:07d}").mkdir(parents=True, exist_ok=True)
+        write_run(tmp_path, run.name, logged)
+        shutil.rmtree(run / "checkpoints")
+        (run / "checkpoints" / f"step-{stop_step:07d}").mkdir(parents=True)
 
     def resumed(cmd):
-        write_run(tmp_path, run.name, 8)
-        write_weights(run, 8, bump)
+        write_run(tmp_path, run.name, mode.steps)
+        write_weights(run, mode.steps, bump)
 
     result = verdict(lambda c: acc.check_stop_resume(c, 1),
-                     check(tmp_path, actions={0: stopped, 1: resumed}))
+                     check(tmp_path, mode, actions={0: stopped, 1: resumed}))
     assert (result == "pass") if expected == "pass" else (expected in result), result
 
 
-@pytest.mark.parametrize(("change", "bump", "expected"), [
-    (None, 0.0, "pass"),
-    (lambda r: r.update(loss=r["loss"] + 1e-6), 0.0, "loss_max_rel_diff"),  # CPU: bit-equal
-    (None, 1e-6, "weights_max_abs_diff"),
+ISSUED = {"all_reduce": 40, "all_gather_object": 3, "gather_object": 1}
+
+
+@pytest.mark.parametrize(("change", "bump", "issued", "expected"), [
+    (None, 0.0, ISSUED, "pass"),
+    (lambda r: r.update(loss=r["loss"] + 1e-6), 0.0, ISSUED, "loss_max_rel_diff"),  # bit-equal
+    (None, 1e-6, ISSUED, "weights_max_abs_diff"),
+    # the switch ignored: the same numbers (before: passed), no collective of ours issued
+    (None, 0.0, {}, "one_rank_all_reduce = 0"),
+    (None, 0.0, {"all_reduce": 15}, "one_rank_all_reduce = 15"),  # fewer than 2 a step
 ])
-def test_one_rank_collectives(tmp_path, change, bump, expected):
+def test_one_rank_collectives(tmp_path, change, bump, issued, expected):
     """The run with our collectives on one-rank groups is train-tp1's command again but for
-    its output directory: a shorter run (before: train.steps=3) has another learning-rate
-    schedule, and its losses differed from the straight run's at step 3 (0.069, CPU smoke)."""
+    its output directory (a shorter run, before: train.steps=3, has another learning-rate
+    schedule: its losses differed from the straight run's at step 3, 0.069, CPU smoke), and
+    the collectives its processes issued on one-rank groups are counted."""
     assert acc.ONE_RANK_SWITCH == ON_ONE_RANK  # the switch del_megatron/collectives.py reads
     straight = check(tmp_path, actions={0: lambda cmd: write_run(tmp_path, "train-tp1", 8)})
     assert verdict(lambda c: acc.check_train(c, 1, False), straight) == "pass"
@@ -206,15 +263,49 @@ def test_one_rank_collectives(tmp_path, change, bump, expected):
     def one_rank(cmd):
         write_run(tmp_path, "one-rank", 8, change)
         write_weights(tmp_path / "one-rank", 8, bump)
+        if issued:  # two processes' counts, summed by the check
+            half = {name: n // 2 for name, n in issued.items()}
+            rest = {name: n - half[name] for name, n in issued.items()}
+            for pid, counts in ((1, half), (2, rest)):
+                (tmp_path / "one-rank-collectives" / f"{pid}.json").write_text(json.dumps(counts))
 
     c = check(tmp_path, actions={0: one_rank})
     result = verdict(acc.check_one_rank_collectives, c)
     assert (result == "pass") if expected == "pass" else (expected in result), result
     (command, env), = c.calls
     assert env[ON_ONE_RANK] == "1"
+    assert env[acc.COUNT_COLLECTIVES] == str(tmp_path / "one-rank-collectives")
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT / "bench" / "acceptance_site")
     train_tp1, one = ([word for word in cmd if not word.startswith("output_dir=")]
                       for cmd in (straight.calls[0][0], command))
     assert one == train_tp1
+
+
+COUNTED = """
+import sys
+import torch, torch.distributed as dist
+from del_megatron import collectives
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+t = torch.zeros(2)
+collectives.all_reduce(t)  # DEL_COLLECTIVES_ON_ONE_RANK=1: issued
+collectives.all_gather_object(1)
+dist.all_reduce(t)  # not del_megatron/collectives.py's: not counted
+if sys.argv[1] == "ignored":  # the switch ignored: skipped as without it
+    collectives._alone = lambda group: True
+collectives.all_reduce(t)
+"""
+
+
+def test_the_count_sees_an_ignored_switch(tmp_path):
+    """bench/acceptance_site/sitecustomize.py in a real process: the calls our collectives
+    make on a one-process group are counted, others not; with the switch ignored, fewer."""
+    env = {**os.environ, ON_ONE_RANK: "1", acc.COUNT_COLLECTIVES: str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "acceptance_site"), str(ROOT)])}
+    for how in ("honoured", "ignored"):
+        subprocess.run([sys.executable, "-c", COUNTED, how], env=env, check=True, timeout=120)
+    counts = sorted(json.loads(f.read_text())["all_reduce"] for f in tmp_path.glob("*.json"))
+    assert counts == [1, 2]  # ignored, honoured
+    assert acc.collectives_counted(tmp_path) == {"all_reduce": 3, "all_gather_object": 2}
 
 
 def write_eval(tmp_path: Path, name: str, loss: float, tied: bool = True) -> None:
@@ -231,20 +322,64 @@ def write_eval(tmp_path: Path, name: str, loss: float, tied: bool = True) -> Non
               str(export / "model.safetensors"))
 
 
-@pytest.mark.parametrize(("loss", "tied", "expected"), [
-    (4.0, True, "pass"), (4.01, True, "loss_rel_diff"), (4.0, False, "lm_head.weight")])
-def test_init_hf_and_del_eval(tmp_path, loss, tied, expected):
+@pytest.mark.parametrize(("mode", "diff", "tied", "expected"), [
+    (acc.GPU, 0.02, True, "pass"),  # bf16 rounding through 4 layers
+    (acc.GPU, 0.76, True, "import_logits_rel_diff"),  # q/k swapped at std 0.1
+    (acc.CPU, 2e-4, True, "import_logits_rel_diff"),  # float32: the two agree exactly
+    (acc.GPU, 0.0, False, "lm_head.weight"),
+])
+def test_init_hf(tmp_path, mode, diff, tied, expected):
+    """The import judged on its logits against transformers' (before: the loss and digit
+    entropy of the trained checkpoint and its export, ln V for any layout of a random
+    model at std 0.02, and both sides ours)."""
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "tokenizer.model").write_bytes(b"sentencepiece")
-    c = check(tmp_path, actions={0: lambda cmd: (tmp_path / "qwen2").mkdir(),
-                                 2: lambda cmd: write_eval(tmp_path, "init-hf", loss, tied)})
+    probe = json.dumps({"logits_max_rel_diff": diff, "logit_scale": 5.5})
+    c = check(tmp_path, mode, outputs=["", probe],
+              actions={0: lambda cmd: (tmp_path / "qwen2").mkdir(),
+                       3: lambda cmd: write_eval(tmp_path, "init-hf", 4.0, tied)})
     result = verdict(acc.check_init_hf, c)
     assert (result == "pass") if expected == "pass" else (expected in result), result
     assert "tiny_hf_model('qwen2-tied'" in c.calls[0][0][-1]  # tests/models/tiny_hf.py's
-    if tied:
-        c = check(tmp_path, actions={0: lambda cmd: write_eval(tmp_path, "eval", loss)})
-        del_eval = dict((name, function) for name, function, *_ in acc.PLAN)["del-eval"]
-        assert (verdict(del_eval, c) == "pass") == (expected == "pass")
+    assert "'initializer_range': 0.1}" in c.calls[0][0][-1]
+    assert c.calls[1][0][-3:] == ("--probe-import", str(tmp_path / "qwen2"), mode.device)
+
+
+@pytest.mark.parametrize(("loss", "expected"), [(4.0, "pass"), (4.01, "loss_rel_diff")])
+def test_del_eval(tmp_path, loss, expected):
+    c = check(tmp_path, actions={0: lambda cmd: write_eval(tmp_path, "eval", loss)})
+    del_eval = dict((name, function) for name, function, *_ in acc.PLAN)["del-eval"]
+    result = verdict(del_eval, c)
+    assert (result == "pass") if expected == "pass" else (expected in result), result
+
+
+@pytest.fixture(scope="module")
+def std_01_qwen2(tmp_path_factory):
+    from ..models.tiny_hf import tiny_hf_model
+
+    hf = tmp_path_factory.mktemp("qwen2")
+    tiny_hf_model("qwen2-tied", hf, **acc.IMPORTED)  # the model check_init_hf makes
+    return hf
+
+
+@pytest.mark.parametrize("swap", [None, ("k_proj", "v_proj"), ("q_proj", "k_proj"),
+                                  ("gate_proj", "up_proj")])  # fmt: skip
+def test_the_import_probe_sees_a_wrong_layout(std_01_qwen2, swap, group, monkeypatch):
+    """--probe-import on the CPU: our import of the directory against transformers' forward of
+    it. With our reader mixing up two tensors of a layer (as a wrong fused layout would), the
+    logits move far past the GPU's bf16 bound; right, they agree to float32 rounding."""
+    from del_megatron.models.weight_files import HFCheckpoint
+
+    if swap:
+        a, b = swap
+        read = HFCheckpoint.read
+        monkeypatch.setattr(HFCheckpoint, "read", lambda self, name, *where: read(
+            self, name.replace(a, "#").replace(b, a).replace("#", b), *where))
+    found = acc.probe_import(std_01_qwen2, "cpu")["logits_max_rel_diff"]
+    if swap:
+        assert found > 5 * acc.IMPORT[0], found
+    else:
+        assert found <= acc.IMPORT[1], found
 
 
 # What the benchmarks print, from their own format strings (bench/loss_tp.py,
@@ -255,11 +390,11 @@ hook / megatron fused CE: time {t:.3f}x, peak {p:.3f}x (logits handed over), 1.0
 FUSED = """fused / megatron: time {t:.3f}x, peak memory {p:.3f}x (.grad fresh)
 chunk   4096: fused time {ct:.3f}x, peak (fresh) 1200 MiB ({cp:.3f}x)
 """
-STEP = """kind     step ms   ratio   tokens/s  TFLOP/s    MFU  numeric
-mle        800.0  1.000x      20480    400.0  0.404      nan
-del        {d:5.1f}  1.050x      19505    381.0  {m:.3f}   0.2100
+STEP = """kind     step ms   ratio   tokens/s    trainer  TFLOP/s    MFU  numeric
+mle        800.0  1.000x      20480      21000    400.0  0.404      nan
+del        {d:5.1f}  1.050x      19505 {r:10.0f}    381.0  {m:.3f}   0.2100
 """
-GOOD = {"t": 0.98, "p": 0.05, "ct": 0.9, "cp": 0.3, "d": 820.0, "m": 0.385}
+GOOD = {"t": 0.98, "p": 0.05, "ct": 0.9, "cp": 0.3, "d": 820.0, "m": 0.385, "r": 19900.0}
 
 
 @pytest.mark.parametrize(("function", "text", "broken", "figure"), [
@@ -271,6 +406,8 @@ GOOD = {"t": 0.98, "p": 0.05, "ct": 0.9, "cp": 0.3, "d": 820.0, "m": 0.385}
     (acc.check_bench_fused, FUSED, {"cp": 0.7}, "chunk4096_peak"),
     (acc.check_bench_train_step, STEP, {"d": 900.0}, "del_over_mle"),
     (acc.check_bench_train_step, STEP, {"m": 0.1}, "mfu_del"),
+    # the trainer's step time not waiting for the device: its tokens/s (and MFU) inflated
+    (acc.check_bench_train_step, STEP, {"r": 5 * 19505.0}, "trainer_over_timed_tokens_per_s"),
 ])
 def test_every_benchmark_figure_can_fail(tmp_path, function, text, broken, figure):
     good = check(tmp_path, acc.GPU, [text.format(**GOOD)])
@@ -279,6 +416,12 @@ def test_every_benchmark_figure_can_fail(tmp_path, function, text, broken, figur
     bad = verdict(function, check(tmp_path, acc.GPU, [text.format(**{**GOOD, **broken})]))
     assert bad.startswith(f"Failed: {figure} = "), bad
     assert "printed no" in verdict(function, check(tmp_path, acc.GPU, ["a new format\n"]))
+
+
+def test_a_gpu_without_a_peak_fails_the_mfu_row_by_name(tmp_path):
+    text = STEP.format(**GOOD).replace("0.385", "  nan")
+    assert "not in del_megatron/models/device.py's PEAK_FLOPS" in verdict(
+        acc.check_bench_train_step, check(tmp_path, acc.GPU, [text]))
 
 
 # ---- running commands, rows, installing ---------------------------------------------------

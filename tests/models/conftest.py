@@ -44,7 +44,7 @@ def one_process_groups():
     from del_megatron.evaluation.backends import _single_process_groups
 
     started = not dist.is_initialized(), not parallel_state.model_parallel_is_initialized()
-    _single_process_groups()
+    _single_process_groups(torch.device("cpu"))
     yield
     if started[1]:
         parallel_state.destroy_model_parallel()

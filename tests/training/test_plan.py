@@ -1,6 +1,7 @@
-"""The --dry-run memory plan: model states as DeepSpeed's own estimators account them, the
-parameter count of the built model, and the plan of every shipped 7B config at 4 nodes x 8
-GPUs (with what to download when the weights are missing)."""
+"""The --dry-run memory plan: DeepSpeed's sizes (what it allocates is counted against its engine
+in tests/distributed/test_zero_memory.py), the parameter count of the built model, and the plan
+of every shipped 7B config at 4 nodes x 8 GPUs (with what to download when the weights are
+missing); MFU's FLOPs per token as Megatron-LM counts them."""
 
 from __future__ import annotations
 
@@ -8,34 +9,44 @@ import pytest
 
 from del_megatron.cli.train import main
 from del_megatron.config import load_run_config
-from del_megatron.training.plan import GIB, count_parameters, model_state_bytes, plan_run
+from del_megatron.training.plan import (
+    GIB,
+    ZeroSizes,
+    count_parameters,
+    model_state_bytes,
+    plan_run,
+    rank_tensors,
+)
 
 from ..distributed.launcher import ROOT
 
 SEVEN_B = ["llama2_7b", "codellama_7b", "mistral_7b", "qwen2.5_7b", "deepseek_math_7b"]
 
 
-@pytest.mark.parametrize("params", [7 * 10**9 // 4 * 8, 1_811_156_992 * 8, 48_000_000])
-@pytest.mark.parametrize("data_parallel", [1, 8, 32])
-def test_model_states_match_deepspeeds_estimators(params, data_parallel):
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+def test_the_zero_sizes_are_deepspeeds_defaults():
+    """The plan's bucket and threshold sizes are DeepSpeed's own defaults (the run's config
+    sets none), read back from its config class, and a config that sets one is read."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    _, zero2 = estimate_zero2_model_states_mem_needs(
-        params, num_gpus_per_node=data_parallel, num_nodes=1, cpu_offload=False
+    theirs = DeepSpeedZeroConfig()
+    assert ZeroSizes() == ZeroSizes(
+        reduce_bucket_size=theirs.reduce_bucket_size,
+        stage3_prefetch_bucket_size=theirs.prefetch_bucket_size,
+        stage3_max_reuse_distance=theirs.max_reuse_distance,
+        stage3_param_persistence_threshold=theirs.param_persistence_threshold,
     )
-    ours = model_state_bytes(params, 0, data_parallel, 2, param_bytes=2)
-    assert sum(ours.values()) == zero2
-    largest = params // 20
-    _, zero3, _ = estimate_zero3_model_states_mem_needs(
-        params, largest, num_gpus_per_node=data_parallel, num_nodes=1, cpu_offload=False
-    )
-    assert (
-        sum(model_state_bytes(params, largest, data_parallel, 3, param_bytes=2).values()) == zero3
-    )
-    # stage 1 keeps whole bf16 gradients: more than stage 2 unless nothing is partitioned
-    stage1 = sum(model_state_bytes(params, 0, data_parallel, 1, param_bytes=2).values())
-    assert stage1 >= zero2 and (stage1 == zero2) == (data_parallel == 1)
+    assert ZeroSizes.of({"stage": 2, "reduce_bucket_size": 5e7}).reduce_bucket_size == 50_000_000
+
+
+def test_zero_1_keeps_every_gradient_in_float32_on_every_rank():
+    """DeepSpeed's BF16_Optimizer (ZeRO 1 with float32 sums) holds 8 bytes of gradients a
+    parameter whatever the data parallelism; ZeRO 2 holds 4/N: the default stage is 2."""
+    from del_megatron.config import ParallelConfig
+
+    tensors = [10**9, 10**6]
+    one, two = (model_state_bytes(tensors, 10**9, 8, stage, ZeroSizes()) for stage in (1, 2))
+    assert one["gradients"] == 6 * sum(tensors) and two["gradients"] == 4 * sum(tensors) // 8
+    assert ParallelConfig().zero_stage == 2
 
 
 @pytest.mark.parametrize("name", SEVEN_B)
@@ -81,6 +92,7 @@ def test_counts_and_parts_add_up():
     plan = plan_run(cfg, 32, gpu_memory_gib=80)
     assert plan.parameters.unpadded == 7_241_732_096
     assert count_parameters(cfg.model, 4).per_rank == plan.parameters.per_rank
+    assert sum(rank_tensors(cfg.model, 4)) == plan.parameters.per_rank
     parts = {k: v for k, v in plan.per_gpu.items() if k != "total"}
     assert sum(parts.values()) == plan.per_gpu["total"]
     assert plan.device_bytes == 80 * GIB and plan.fits
@@ -94,3 +106,62 @@ def test_the_tiny_configs_size_in_words_is_the_plans():
     said = float(re.search(r"~([\d.]+)M-parameter", text).group(1))
     counted = count_parameters(load_run_config(ROOT / "configs" / "tiny_cpu.yaml", []).model, 2)
     assert said == round(counted.unpadded / 1e6, 1)
+
+
+def megatron_lm_flops_per_token(cfg) -> float:
+    """Megatron-LM's count (megatron/training/training.py, `num_floating_point_operations`,
+    `transformer_flops`: a dense GPT with SwiGLU and grouped-query attention, one sequence of
+    `seq_length` per sample), divided by the tokens of the batch, in its own terms."""
+    arch, s = cfg.model, cfg.train.seq_len
+    forward_backward_expansion_factor, fma_expansion_factor, ffn_expansion_factor = 3, 2, 3
+    query_projection_size = arch.kv_channels * arch.num_attention_heads
+    key_projection_size = value_projection_size = arch.kv_channels * arch.num_query_groups
+    standard_self_attn_term = (
+        forward_backward_expansion_factor
+        * fma_expansion_factor
+        * (
+            arch.hidden_size
+            * (query_projection_size + key_projection_size + value_projection_size)
+            + query_projection_size * s / 2 * 2  # core attention, causal half
+            + query_projection_size * arch.hidden_size
+        )
+    )
+    batch_size = 1
+    total = (
+        batch_size
+        * s
+        * (
+            forward_backward_expansion_factor
+            * fma_expansion_factor
+            * arch.hidden_size
+            * (arch.ffn_hidden_size * ffn_expansion_factor)
+            * arch.num_layers
+            + standard_self_attn_term * arch.num_layers
+            + forward_backward_expansion_factor
+            * fma_expansion_factor
+            * arch.hidden_size
+            * arch.padded_vocab_size(cfg.parallel.tensor_parallel)
+        )
+    )
+    return total / (batch_size * s)
+
+
+@pytest.mark.parametrize("name", [*SEVEN_B, "llama3.1_8b", "qwen2.5_1.5b", "tiny_cpu"])
+def test_flops_per_token_are_megatron_lms(name):
+    """MFU's FLOPs: the logits matmul once, the input embedding (a lookup) not at all, the
+    core attention over the causal half. Before: 6 per parameter, the untied input embedding
+    included, and 12 x layers x h x s of attention (MFU of bench/train_step.py --gpu-7b
+    overstated by a quarter)."""
+    from del_megatron.training.plan import flops_per_token
+
+    cfg = load_run_config(ROOT / "configs" / f"{name}.yaml", [])
+    tp = cfg.parallel.tensor_parallel
+    assert flops_per_token(cfg.model, tp, cfg.train.seq_len) == megatron_lm_flops_per_token(cfg)
+
+
+def test_tied_and_untied_embeddings_cost_the_same():
+    from del_megatron.training.plan import flops_per_token
+
+    untied = load_run_config(ROOT / "configs" / "llama2_7b.yaml", []).model
+    tied = untied.model_copy(update={"tie_word_embeddings": True})
+    assert flops_per_token(tied, 8, 4096) == flops_per_token(untied, 8, 4096)
