@@ -64,6 +64,27 @@ def test_entrypoint_reads_a_home_that_is_no_directory_as_unusable(tmp_path):
     assert proc.stdout.split()[0] == f"/tmp/del-home-{os.getuid()}"
 
 
+def test_entrypoint_names_a_user_id_that_has_no_name():
+    """`docker run --user 4242` where the image has no such user: `id -un` prints the number
+    and fails, and USER was both ('4242' and 'user4242' on two lines) before; now one name."""
+    if os.geteuid() != 0:
+        pytest.skip("switching to a user id without a name needs root")
+    import pwd
+
+    uid = next(u for u in range(4242, 4342) if not any(p.pw_uid == u for p in pwd.getpwall()))
+    proc = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        + ["bash", str(ENTRYPOINT), "printenv", "USER"],
+        env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"user{uid}\n"
+
+
 def test_entrypoint_commands():
     assert "usage: del-train" in entrypoint().stdout  # no command: del-train's help
     proc = entrypoint("--config", "/nowhere/run.yaml")  # an option: del-train's
