@@ -109,6 +109,9 @@ def test_docker_files_fit_together():
     service = compose["services"]["train"]
     assert service["entrypoint"][0] == "/usr/local/bin/del-entrypoint"
     assert service["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
+    # tests/docker runs train-cpu: the GPU service less its GPU request and pinned memory
+    cpu = {k: v for k, v in service.items() if k not in ("deploy", "ulimits")}
+    assert compose["services"]["train-cpu"] == cpu
     ignored = (ROOT / ".dockerignore").read_text()
     for copied in re.findall(r"^COPY (\S+)", dockerfile, flags=re.M):
         assert f"!{copied.rstrip('/')}" in ignored.replace("/\n", "\n"), copied
