@@ -130,7 +130,7 @@ def test_the_build_secrets_are_not_in_the_image(engine):
     assert sorted(proc.stdout.split()) == sorted(planted), proc.stdout  # only what was planted
 
 
-def owned_by(root: Path, uid: int, gid: int) -> list[str]:
+def not_owned_by(root: Path, uid: int, gid: int) -> list[str]:
     """Paths under root not owned by uid:gid."""
     wrong = []
     for path in [root, *root.rglob("*")]:
@@ -141,6 +141,10 @@ def owned_by(root: Path, uid: int, gid: int) -> list[str]:
 
 
 def test_the_pipeline_as_a_user_who_is_not_root(engine, tmp_path):
+    if shutil.which("docker-compose") is None:  # Debian's, installed by engine.sh as root
+        if os.environ.get("DEL_REQUIRE_DOCKER") == "1":
+            pytest.fail("DEL_REQUIRE_DOCKER=1 but docker-compose is not installed")
+        pytest.skip("no docker-compose (bash tests/docker/engine.sh start, as root)")
     project = tmp_path / "project"  # the directory compose starts from: models/ data/ runs/
     for sub in ("models", "data", "runs"):
         (project / sub).mkdir(parents=True)
@@ -242,4 +246,4 @@ def test_the_pipeline_as_a_user_who_is_not_root(engine, tmp_path):
     results = json.loads((runs / "eval" / "results.json").read_text())
     assert results["model"] == checkpoint and results["numeric"]["batches"] == 2
     assert (runs / "hf" / "config.json").is_file() and (runs / "hf" / "model.safetensors").is_file()
-    assert owned_by(runs, engine.uid, engine.gid) == []
+    assert not_owned_by(runs, engine.uid, engine.gid) == []
