@@ -23,7 +23,8 @@ if [ -z "${HOME:-}" ] || [ ! -d "$HOME" ] || [ ! -w "$HOME" ]; then
   export HOME
 fi
 if [ -z "${USER:-}" ]; then
-  USER=$(id -un 2>/dev/null || echo "user$uid")
+  # `id -un` of a uid without a name prints the number and fails: not a name
+  USER=$(id -un 2>/dev/null) || USER=user$uid
   export USER
 fi
 

@@ -64,6 +64,27 @@ def test_entrypoint_reads_a_home_that_is_no_directory_as_unusable(tmp_path):
     assert proc.stdout.split()[0] == f"/tmp/del-home-{os.getuid()}"
 
 
+def test_entrypoint_names_a_user_id_that_has_no_name():
+    """`docker run --user 4242` where the image has no such user: `id -un` prints the number
+    and fails, and USER was both ('4242' and 'user4242' on two lines) before; now one name."""
+    if os.geteuid() != 0:
+        pytest.skip("switching to a user id without a name needs root")
+    import pwd
+
+    uid = next(u for u in range(4242, 4342) if not any(p.pw_uid == u for p in pwd.getpwall()))
+    proc = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        + ["bash", str(ENTRYPOINT), "printenv", "USER"],
+        env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"user{uid}\n"
+
+
 def test_entrypoint_commands():
     assert "usage: del-train" in entrypoint().stdout  # no command: del-train's help
     proc = entrypoint("--config", "/nowhere/run.yaml")  # an option: del-train's
@@ -88,6 +109,9 @@ def test_docker_files_fit_together():
     service = compose["services"]["train"]
     assert service["entrypoint"][0] == "/usr/local/bin/del-entrypoint"
     assert service["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
+    # tests/docker runs train-cpu: the GPU service less its GPU request and pinned memory
+    cpu = {k: v for k, v in service.items() if k not in ("deploy", "ulimits")}
+    assert compose["services"]["train-cpu"] == cpu
     ignored = (ROOT / ".dockerignore").read_text()
     for copied in re.findall(r"^COPY (\S+)", dockerfile, flags=re.M):
         assert f"!{copied.rstrip('/')}" in ignored.replace("/\n", "\n"), copied
@@ -226,6 +250,10 @@ def test_torchrun_sh_ends_with_a_ranks_mistake_and_status_2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("DEL_REQUIRE_DOCKER") == "1",
+    reason="tests/docker/test_container.py stops the same script by docker stop (CI runs it)",
+)
 def test_torchrun_sh_sigterm_saves_and_exits_stopped(tmp_path, synth_tokenizer, synth_shards):
     out = tmp_path / "run"
     proc = subprocess.Popen(
