@@ -38,8 +38,10 @@ MODULES = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
-# Megatron-LM's loop (megatron.training, shipped in megatron-core's wheel since 0.17)
-OPTIONAL_MODULES = ("megatron.training.utils.common_utils",)  # train_step's reductions
+# the loops' modules of the same kind, patched where a test runs that loop (`also=`): their
+# train_step's reductions across ranks
+MEGATRON_LM = "megatron.training.utils.common_utils"  # megatron-core's wheel, 0.17+
+MEGATRON_BRIDGE = "megatron.bridge.training.utils.train_utils"
 _FACTORIES = ("empty", "full", "ones", "tensor", "zeros")
 
 
@@ -114,18 +116,13 @@ def _factory(make):
 _CPU_TORCH = CpuTorch()
 
 
-def run_megatron_on_cpu() -> None:
-    """Rebind `torch` in MODULES (and OPTIONAL_MODULES where installed) to the CPU view (once;
-    nothing where CUDA is available)."""
+def run_megatron_on_cpu(*also: str) -> None:
+    """Rebind `torch` in MODULES and the modules named in `also` (MEGATRON_LM,
+    MEGATRON_BRIDGE) to the CPU view (idempotent; nothing where CUDA is available)."""
     if torch.cuda.is_available():
         return
-    for name in MODULES + OPTIONAL_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError:
-            if name in OPTIONAL_MODULES:
-                continue
-            raise
+    for name in MODULES + also:
+        module = importlib.import_module(name)
         if module.torch is not _CPU_TORCH:
             module.torch = _CPU_TORCH
 

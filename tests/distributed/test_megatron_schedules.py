@@ -4,8 +4,10 @@
 2x2, and EMO on a pipeline with tied embeddings, each with megatron's DistributedDataParallel,
 `finalize_model_grads` and optimizer; losses, gradients, gradient norms and the weights
 after two steps compared; EMO's cost embedding through megatron's dist_checkpointing at TP 2;
-and, where the installed megatron-core ships `megatron.training` (0.17+), Megatron-LM's own
-`train_step` on the config-container form of its model with `numeric_loss_hook`."""
+where the installed megatron-core ships `megatron.training` (0.17+), Megatron-LM's own
+`train_step` on the config-container form of its model with `numeric_loss_hook`; and where
+Megatron-Bridge is installed, Bridge's own `train_step` on a recipe's config whose model is
+`NumericLossGPTModelProvider` of AutoBridge's provider, with `megatron_bridge.forward_step`."""
 
 from __future__ import annotations
 
@@ -21,10 +23,15 @@ LAYOUTS = ["tp2", "dp2", "pp2", "vpp2x2", "pp2+emo+tied"]
 
 
 def test_megatrons_schedules_give_the_reference_loss_and_gradients(tmp_path):
-    checks = [*LAYOUTS, f"emo-checkpoint={tmp_path}"]
+    (tmp_path / "checkpoint").mkdir()
+    checks = [*LAYOUTS, f"emo-checkpoint={tmp_path / 'checkpoint'}"]
     megatron_training = importlib.util.find_spec("megatron.training") is not None
     if megatron_training:
         checks.append("megatron-lm")
+    bridge = importlib.util.find_spec("megatron.bridge") is not None
+    if bridge:
+        (tmp_path / "hf").mkdir()
+        checks.append(f"megatron-bridge={tmp_path / 'hf'}")
     output = run_torchrun("megatron_schedules.py", 2, *checks)
     for layout in LAYOUTS:
         assert f"OK {layout}:" in output
@@ -34,3 +41,4 @@ def test_megatrons_schedules_give_the_reference_loss_and_gradients(tmp_path):
     assert "OK vpp2x2: 15 parameters, 0 head(s); 16 parameters, 1 head(s)" in output
     assert "OK emo-checkpoint:" in output
     assert ("OK megatron-lm: 7 report keys: lm loss, objective" in output) == megatron_training
+    assert ("OK megatron-bridge: 7 report keys" in output) == bridge

@@ -39,7 +39,12 @@ from del_megatron import DigitVocab, NumericLossConfig
 from del_megatron.models import LlamaArchitecture, build_llama, megatron_lm
 from del_megatron.models.hf_tensors import pad_vocab
 from del_megatron.models.sharding import partition_of_param, split
-from tests.megatron_cpu import run_megatron_on_cpu, tensor_cuda_stays
+from tests.megatron_cpu import (
+    MEGATRON_BRIDGE,
+    MEGATRON_LM,
+    run_megatron_on_cpu,
+    tensor_cuda_stays,
+)
 from tests.utils import assert_close
 
 VOCAB_SIZE = 130
@@ -405,6 +410,7 @@ def megatron_lm_step(ref: Reference) -> str:
 
     from del_megatron.models.device import apply_device_shims, gpt_layer_spec
 
+    run_megatron_on_cpu(MEGATRON_LM)
     sys.argv = ["pretrain_gpt.py", *MEGATRON_LM_ARGS.split()]
     args = parse_args()
     validate_args(args, {})
@@ -465,7 +471,136 @@ def megatron_lm_step(ref: Reference) -> str:
         expected = stage_tensor(ref.final, chunks[0], name, param, layout, False)
         assert_close(param, expected, atol=LR / 100, what=f"weight {name} after {STEPS} steps")
     parallel_state.destroy_model_parallel()
+    destroy_rerun_state_machine()  # the next user starts it afresh (megatron's default mode)
     return f"{len(losses)} report keys: {', '.join(losses)}"
+
+
+# ---- Megatron-Bridge's own loop (megatron-bridge 0.6.2) ---------------------------------
+
+
+def megatron_bridge_step(ref: Reference, directory: str) -> str:
+    """STEPS steps of Megatron-Bridge's own `train_step` on a recipe's ConfigContainer
+    (`_pretrain_common`) whose model is AutoBridge's provider of a tiny Qwen2 (the reference's
+    architecture: QKV bias, untied) made `NumericLossGPTModelProvider`, Bridge's GlobalState,
+    optimizer and scheduler (`setup_optimizer`), and `megatron_bridge.forward_step` (Bridge's
+    get_batch and forward step). Data parallel over the 2 ranks, float32; only
+    transformer_engine and modelopt are stubbed (tests/gpu_only_stubs.py)."""
+    from tests.gpu_only_stubs import install
+
+    install()
+    run_megatron_on_cpu(MEGATRON_BRIDGE)
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.recipes.common import _pretrain_common
+    from megatron.bridge.training.optim import setup_optimizer
+    from megatron.bridge.training.state import GlobalState
+    from megatron.bridge.training.train import train_step
+    from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator,
+        init_num_microbatches_calculator,
+    )
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from transformers import Qwen2Config
+
+    from del_megatron.models.device import FUSION_FLAGS, apply_device_shims, gpt_layer_spec
+    from del_megatron.models.megatron_bridge import NumericLossGPTModelProvider, forward_step
+
+    shape = arch(False)
+    if dist.get_rank() == 0:
+        Qwen2Config(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.ffn_hidden_size,
+            num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_query_groups,
+            max_position_embeddings=SEQ,
+            rope_theta=shape.rope_theta,
+            rms_norm_eps=shape.norm_epsilon,
+            tie_word_embeddings=False,
+            architectures=["Qwen2ForCausalLM"],
+        ).save_pretrained(directory)
+    dist.barrier()
+    cfg = _pretrain_common()
+    hf = AutoBridge.from_hf_pretrained(directory).to_megatron_provider(load_weights=False)
+    # DEL: the one line of the recipe
+    cfg.model = NumericLossGPTModelProvider.from_provider(hf, VOCAB, loss_config("del"))
+    cfg.model.calculate_per_token_loss = True
+    cfg.model.make_vocab_size_divisible_by = 64
+    cfg.model.should_pad_vocab = True
+    # the CPU: float32, no fusion, megatron's local layers with the CPU's core attention
+    for flag in FUSION_FLAGS:
+        setattr(cfg.model, flag, False)
+    cfg.model.use_cpu_initialization = True
+    cfg.model.transformer_layer_spec = gpt_layer_spec(torch.device("cpu"))
+    cfg.mixed_precision = None
+    cfg.ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    cfg.optimizer.use_distributed_optimizer = False  # megatron's refuses CPU tensors
+    cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.clip_grad = LR, 0.0, 0.0
+    cfg.optimizer.bf16 = False
+    # torch's AdamW defaults, the reference's (the recipe's beta2 is 0.95)
+    cfg.optimizer.adam_beta1, cfg.optimizer.adam_beta2, cfg.optimizer.adam_eps = 0.9, 0.999, 1e-8
+    cfg.scheduler.lr_decay_style, cfg.scheduler.lr_warmup_iters = "constant", 0
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = MICRO_BATCH, 2 * MICRO_BATCHES
+    cfg.dataset.seq_length = SEQ
+    cfg.validate()  # what Bridge's pretrain() does first: finalizes model, scheduler, ...
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    destroy_num_microbatches_calculator()
+    init_num_microbatches_calculator(dist.get_rank(), None, 2 * MICRO_BATCHES, MICRO_BATCH, 2)
+    state = GlobalState()
+    state.cfg = cfg
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    cfg.model._pg_collection = pg_collection
+    chunk = apply_device_shims(cfg.model.provide(), torch.device("cpu"))
+    layout = Layout("megatron-bridge", dp=2)
+    with torch.no_grad():
+        for name, param in chunk.named_parameters():
+            param.copy_(stage_tensor(ref.weights, chunk, name, param, layout, False))
+    from megatron.core.distributed import DistributedDataParallel
+
+    model = [DistributedDataParallel(chunk.config, cfg.ddp, chunk)]
+    optimizer, scheduler = setup_optimizer(cfg.optimizer, cfg.scheduler, model)
+    chunk.config.no_sync_func = model[0].no_sync
+    chunk.config.finalize_model_grads_func = finalize_model_grads
+    chunk.config.grad_scale_func = optimizer.scale_loss
+    step_func = prepare_forward_step_func(forward_step, state)
+    for step in range(STEPS):
+        dp_rank = parallel_state.get_data_parallel_rank()
+        local = global_batch(step)[dp_rank * 2 : (dp_rank + 1) * 2]
+        samples = [
+            {
+                "tokens": b.tokens,
+                "labels": b.labels,
+                "loss_mask": b.loss_mask,
+                "position_ids": b.positions,
+                "attention_mask": None,
+            }
+            for b in local
+        ]
+        with tensor_cuda_stays():  # Bridge's get_batch moves each tensor with .cuda()
+            losses, skipped, *_ = train_step(
+                step_func,
+                RerunDataIterator(iter(samples)),
+                model,
+                optimizer,
+                scheduler,
+                state,
+                pg_collection,
+                get_forward_backward_func(),
+                None,
+            )
+        assert not skipped
+        for key in ("objective", "lm loss"):
+            assert_close(losses[key], ref.losses[step][key], atol=2e-6, what=f"step {step} {key}")
+    for name, param in chunk.named_parameters():
+        expected = stage_tensor(ref.final, chunk, name, param, layout, False)
+        assert_close(param, expected, atol=LR / 100, what=f"weight {name} after {STEPS} steps")
+    parallel_state.destroy_model_parallel()
+    return f"{len(losses)} report keys"
 
 
 # ---- EMO's cost embedding in megatron's distributed checkpoints -------------------------
@@ -501,6 +636,12 @@ def main() -> None:
     for text in sys.argv[1:]:
         if text.startswith("emo-checkpoint="):
             _gather_and_print(text.split("=")[0], emo_checkpoint_round_trip(text.split("=")[1]))
+            continue
+        if text.startswith("megatron-bridge="):
+            if ("del", False) not in references:
+                references["del", False] = reference("del", False)
+            ref = references["del", False]
+            _gather_and_print(text.split("=")[0], megatron_bridge_step(ref, text.split("=")[1]))
             continue
         layout = Layout.parse(text) if text != "megatron-lm" else Layout(text)
         key = (layout.kind, layout.tied)
