@@ -1,12 +1,14 @@
 """Import stubs for the GPU-only libraries Megatron-Bridge's modules import at module level
-(`transformer_engine`, NVIDIA's `modelopt`), which cannot be installed without CUDA. Tests only.
+(`transformer_engine`, NVIDIA's `modelopt`, and `nvidia_resiliency_ext`, which
+`megatron.bridge.training.pretrain` imports: its CPU-installable 0.4.1 breaks megatron-core
+0.19's own version check), which cannot be installed without CUDA. Tests only.
 
 Bridge's own code is never stubbed: with these installed, `megatron.bridge.training.losses`,
 `gpt_step` and `models.gpt_provider` import as they are and run on the CPU. A stub module
 answers any attribute with a placeholder class (so Bridge's `isinstance(x, te.Linear)` and
 annotations work); its version is 0.0.0. Called, a Transformer Engine placeholder raises (no
-test may run TE); a ModelOpt one returns None, what ModelOpt's helpers answer for a model it
-has not converted (Bridge's train_step asks `get_tensor_shapes_adjust_fn_for_distillation`).
+test may run TE); the others' return None, what ModelOpt's helpers answer for a model it has
+not converted (Bridge's train_step asks `get_tensor_shapes_adjust_fn_for_distillation`).
 
 Installed after megatron-core's modules are imported (`install()` imports the ones the tests
 build models with first), so that megatron-core's own "is Transformer Engine installed"
@@ -21,7 +23,7 @@ import importlib.util
 import sys
 import types
 
-STUBBED = ("transformer_engine", "modelopt")
+STUBBED = ("transformer_engine", "modelopt", "nvidia_resiliency_ext")
 # megatron-core modules whose import-time Transformer Engine checks must see it absent
 MEGATRON_FIRST = (
     "megatron.core.models.gpt.gpt_layer_specs",
@@ -31,6 +33,7 @@ MEGATRON_FIRST = (
     "megatron.core.distributed",
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
+    "megatron.core.dist_checkpointing",
     "del_megatron.models.device",
 )
 
@@ -44,7 +47,7 @@ class _Placeholder(type):
         return _placeholder(f"{cls.__name__}.{name}")
 
     def __call__(cls, *args, **kwargs):
-        if cls.__name__.startswith("modelopt."):
+        if not cls.__name__.startswith("transformer_engine."):
             return None
         raise RuntimeError(f"{cls.__name__} is a stub of a GPU-only library (tests only)")
 

@@ -80,7 +80,15 @@ class NumericLossGPTModelProvider(GPTModelProvider):
                 "NumericLossGPTModelProvider extends GPTModelProvider's GPTModel only"
             )
         values = {f.name: getattr(provider, f.name) for f in fields(GPTModelProvider) if f.init}
-        return cls(**values, digit_vocab=digit_vocab, numeric_loss=numeric_loss)
+        numeric = cls(**values, digit_vocab=digit_vocab, numeric_loss=numeric_loss)
+        # and the hooks registered on it, which are no fields: AutoBridge's
+        # to_megatron_provider() loads the Hugging Face weights in a pre-wrap hook (with
+        # perform_initialization=False; without the hook the model would train from
+        # uninitialized memory)
+        for hooks in ("_pre_wrap_hooks", "_post_wrap_hooks"):
+            if getattr(provider, hooks, None):
+                setattr(numeric, hooks, list(getattr(provider, hooks)))
+        return numeric
 
 
 def forward_step(state, data_iterator, model, return_schedule_plan: bool = False):

@@ -148,3 +148,19 @@ def test_bridges_loss_function_fails_loudly_on_the_heads_output(
     for handed in (output, float16_to_fp32(output)):
         with pytest.raises(TypeError, match="megatron_bridge.forward_step"):
             masked_next_token_loss(mask, handed)
+
+
+def test_the_provider_keeps_autobridges_weight_loading(bridge, tmp_path, one_process_groups):
+    """AutoBridge's provider loads the Hugging Face weights in a pre-wrap hook (and skips the
+    random init): the numeric provider keeps the hook (before: dropped with the provider, the
+    model started from uninitialized memory; the README example's first loss was nan)."""
+    from megatron.bridge import AutoBridge
+
+    from .tiny_hf import tiny_hf_model
+
+    megatron_bridge, _, _ = bridge
+    hf = tiny_hf_model("qwen2-tied", tmp_path, vocab_size=130, max_position_embeddings=16)
+    theirs = AutoBridge.from_hf_pretrained(str(tmp_path)).to_megatron_provider()
+    ours = on_cpu(megatron_bridge.NumericLossGPTModelProvider.from_provider(theirs, VOCAB, LOSS))
+    (model,) = ours.pre_wrap_hook([ours.provide()])
+    assert torch.equal(model.embedding.word_embeddings.weight, hf.model.embed_tokens.weight)
