@@ -2,7 +2,10 @@
 # The test command: set up .venv, lint (Python, shell scripts, the Dockerfile), run the whole
 # suite (slow multi-process tests too). Extra arguments go to pytest, e.g.
 # `bash launch/test.sh -m "not slow"`. The SLURM launch tests run when a test cluster answers
-# (bash tests/slurm/cluster.sh start; CI starts one) and are skipped otherwise.
+# (bash tests/slurm/cluster.sh start; CI starts one) and are skipped otherwise. Then the tests
+# marked `megatron` (models, loss hook, Megatron-LM and Megatron-Bridge) run again on the newest
+# megatron-core, in .venv312 (launch/setup_env_newest.sh; skipped, saying so, where there is no
+# Python 3.12, unless DEL_REQUIRE_PY312=1, as CI sets).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,3 +15,14 @@ bash launch/setup_env.sh
   tests/slurm/cluster.sh .ci/run bench/gpu_acceptance.sh bench/fetch_gpu_wheels.sh
 .venv/bin/hadolint docker/Dockerfile
 .venv/bin/python -m pytest "$@"
+
+newest=0
+bash launch/setup_env_newest.sh || newest=$?
+if [ "$newest" = 3 ] && [ "${DEL_REQUIRE_PY312:-0}" != 1 ]; then
+  echo "skipped: the tests on the newest megatron-core (no Python 3.12; see launch/setup_env_newest.sh)"
+elif [ "$newest" != 0 ]; then
+  exit "$newest"
+else
+  # exit status 5: the selection held no test marked megatron
+  DEL_MEGATRON_ONLY=1 .venv312/bin/python -m pytest "$@" || [ $? = 5 ]
+fi
