@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+
 def pytest_collection_modifyitems(config, items):
     """DEL_MEGATRON_ONLY=1 (launch/test.sh's second run, in .venv312 on the newest
     megatron-core): only the tests marked `megatron`, whatever else selects (-m, paths)."""
