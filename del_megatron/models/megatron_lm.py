@@ -54,8 +54,9 @@ def check_megatron_loop(config: Any, loss_config: NumericLossConfig) -> None:
     if not config.calculate_per_token_loss:
         raise UserError(
             "the numeric loss needs megatron's per-token loss: set --calculate-per-token-loss "
-            "(Megatron-LM) or model.calculate_per_token_loss=True (Megatron-Bridge); megatron "
-            "otherwise divides each micro-batch by its own token count"
+            "(Megatron-LM) or model.calculate_per_token_loss=True with "
+            "ddp.average_in_collective=False (Megatron-Bridge); megatron otherwise divides "
+            "each micro-batch by its own token count"
         )
     if loss_config.normalize != "tokens":
         raise UserError(

@@ -164,3 +164,27 @@ def test_the_provider_keeps_autobridges_weight_loading(bridge, tmp_path, one_pro
     ours = on_cpu(megatron_bridge.NumericLossGPTModelProvider.from_provider(theirs, VOCAB, LOSS))
     (model,) = ours.pre_wrap_hook([ours.provide()])
     assert torch.equal(model.embedding.word_embeddings.weight, hf.model.embed_tokens.weight)
+
+
+def test_the_readme_example_runs(
+    bridge, tmp_path, monkeypatch, capsys, bpe_split_digits, one_process_groups
+):
+    """The README's Bridge example as a user writes it, with Bridge's pretrain (CUDA from its
+    first line) replaced by tests/loop_standins.py's: the config validated, the model provided
+    on the CPU with the checkpoint's weights, one step of the example's forward step."""
+    import megatron.bridge.training.pretrain as bridge_pretrain
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.loop_standins import examples, megatron_bridge_pretrain
+
+    from .tiny_hf import tiny_hf_model
+
+    checkpoint = tmp_path / "models" / "qwen2.5_1.5b"
+    PreTrainedTokenizerFast(tokenizer_object=bpe_split_digits).save_pretrained(checkpoint)
+    # a checkpoint's vocabulary holds every token id of its tokenizer, and often more
+    vocab = bpe_split_digits.get_vocab_size() + 16
+    tiny_hf_model("qwen2-tied", checkpoint, vocab_size=vocab, max_position_embeddings=16)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bridge_pretrain, "pretrain", megatron_bridge_pretrain)
+    exec(examples()["Megatron-Bridge 0.6.2"], {"__name__": "__main__"})
+    assert "OK NumericLossGPTModel: lm loss, objective, numeric" in capsys.readouterr().out
