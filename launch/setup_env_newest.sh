@@ -5,17 +5,16 @@
 # launch/test.sh runs there as well as in .venv (megatron-core 0.16 on Python 3.11).
 # Exit 0 when ready; 3 when no Python 3.12 is found (launch/test.sh then skips those tests and
 # says so, unless DEL_REQUIRE_PY312=1, as CI sets). PYTHON312 names the interpreter. Safe to
-# re-run: nothing is reinstalled when pyproject.toml and this script are unchanged.
+# re-run: launch/setup_env.sh makes it (the project with its `newest` extra: pytest and what
+# Bridge's modules import, its transformers pin among them), then Bridge itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV312:-.venv312}
-# Megatron-Bridge's release tested here; installed without its dependencies (they include
-# CUDA-only packages), with the ones its training and model modules import (its own pin of
-# transformers among them); transformer_engine and modelopt stay absent (tests/gpu_only_stubs.py)
-BRIDGE=megatron-bridge==0.6.2
-BRIDGE_IMPORTS=("transformers>=5.8,<=5.12.1" omegaconf hydra-core einops rich accelerate datasets
-  megatron-energon tensorboard diffusers)
+# Megatron-Bridge's release tested here, installed without its dependencies (they include
+# CUDA-only packages); transformer_engine, modelopt and nvidia-resiliency-ext stay absent
+# (tests/gpu_only_stubs.py)
+BRIDGE=0.6.2
 
 find_python312() {
   local candidate
@@ -35,24 +34,8 @@ if ! python312=$(find_python312); then
   echo "no Python 3.12 found (set PYTHON312=/path/to/python3.12): the newest megatron-core is not tested" >&2
   exit 3
 fi
-stamp=$VENV/.del-megatron-installed
-wanted=$(cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1)
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ]; then
-  exit 0
+PYTHON=$python312 VENV=$VENV SPEC=".[newest]" bash launch/setup_env.sh
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys
+sys.exit(m.version('megatron-bridge') != '$BRIDGE')" 2>/dev/null; then
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "megatron-bridge==$BRIDGE"
 fi
-if [ ! -x "$VENV/bin/python" ]; then
-  "$python312" -m venv "$VENV"
-fi
-pip_install() { "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@"; }
-
-pip_install --upgrade pip
-# torch first, pinned as setup_env.sh does (on Python 3.12 the registry's build is the CUDA
-# one; it runs on the CPU all the same)
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-  pip_install "torch==2.13.0"
-fi
-PYTHONWARNINGS=ignore pip_install -e . "pytest>=8" "hypothesis>=6.100" "psutil>=5.9"
-pip_install --no-deps "$BRIDGE"
-pip_install "${BRIDGE_IMPORTS[@]}"
-echo "$wanted" >"$stamp"
-echo "environment ready: $VENV ($("$VENV/bin/python" -c 'from megatron.core import __version__ as v; print("megatron-core", v)'))"
