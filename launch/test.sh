@@ -10,6 +10,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash launch/setup_env.sh
+# the newest megatron-core's environment is mostly a download (torch's CUDA build on Python
+# 3.12): made in the background, beside the lint and the first run of the suite
+newest_log=$(mktemp)
+setsid bash launch/setup_env_newest.sh >"$newest_log" 2>&1 &
+newest_pid=$!  # its own process group: a failed lint or suite stops it, pip included
+trap 'kill -- -"$newest_pid" 2>/dev/null || true; rm -f "$newest_log"' EXIT
 .venv/bin/ruff check .
 .venv/bin/shellcheck launch/*.sh launch/experiments/*.sh launch/slurm/train.sbatch docker/entrypoint.sh \
   tests/slurm/cluster.sh .ci/run bench/gpu_acceptance.sh bench/fetch_gpu_wheels.sh
@@ -17,7 +23,8 @@ bash launch/setup_env.sh
 .venv/bin/python -m pytest "$@"
 
 newest=0
-bash launch/setup_env_newest.sh || newest=$?
+wait "$newest_pid" || newest=$?
+cat "$newest_log"
 if [ "$newest" = 3 ] && [ "${DEL_REQUIRE_PY312:-0}" != 1 ]; then
   echo "skipped: the tests on the newest megatron-core (no Python 3.12; see launch/setup_env_newest.sh)"
 elif [ "$newest" != 0 ]; then

@@ -28,6 +28,7 @@ def examples() -> dict[str, str]:
     pattern = re.escape(MARK) + r"(.*?)\) -->\n```python\n(.*?)```"
     return {m.group(1): m.group(2) for m in re.finditer(pattern, README.read_text(), re.S)}
 
+
 STANDINS = {
     "pretrain_gpt.py": '''"""Megatron-LM's pretrain_gpt.py, its contract:
 forward_step(data_iterator, model, return_schedule_plan=False) calls the model with labels,
@@ -209,11 +210,15 @@ def megatron_bridge_pretrain(config, forward_step_func) -> None:
     run_megatron_on_cpu(MEGATRON_BRIDGE)
     destroy_num_microbatches_calculator()
     init_num_microbatches_calculator(0, None, 2, 2, 1)
-    model._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    built = [model.provide()]
-    if model.pre_wrap_hook is not None:  # as provide_distributed_model: AutoBridge's weight load
-        built = model.pre_wrap_hook(built)
-    (built,) = on_cpu(built)
+    model.register_pre_wrap_hook(on_cpu)  # after AutoBridge's, which loads the weights
+    # Bridge's own build, without its DDP wrapper (a CUDA stream)
+    (built,) = model.provide_distributed_model(
+        ddp_config=config.ddp,
+        wrap_with_ddp=False,
+        use_cpu_initialization=True,
+        mixed_precision_wrapper=None,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
     state = GlobalState()
     state.cfg = config
     step = prepare_forward_step_func(forward_step_func, state)

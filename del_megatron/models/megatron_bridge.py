@@ -85,9 +85,10 @@ class NumericLossGPTModelProvider(GPTModelProvider):
         # to_megatron_provider() loads the Hugging Face weights in a pre-wrap hook (with
         # perform_initialization=False; without the hook the model would train from
         # uninitialized memory)
-        for hooks in ("_pre_wrap_hooks", "_post_wrap_hooks"):
-            if getattr(provider, hooks, None):
-                setattr(numeric, hooks, list(getattr(provider, hooks)))
+        if provider.pre_wrap_hook is not None:  # the registered hooks, composed in order
+            numeric.register_pre_wrap_hook(provider.pre_wrap_hook)
+        if provider.post_wrap_hook is not None:
+            numeric.register_post_wrap_hook(provider.post_wrap_hook)
         return numeric
 
 

@@ -508,7 +508,7 @@ def megatron_bridge_step(ref: Reference, directory: str) -> str:
     from del_megatron.models.device import FUSION_FLAGS, apply_device_shims, gpt_layer_spec
     from del_megatron.models.megatron_bridge import NumericLossGPTModelProvider, forward_step
 
-    shape = arch(False)
+    shape, cpu = arch(False), torch.device("cpu")
     if dist.get_rank() == 0:
         Qwen2Config(
             vocab_size=VOCAB_SIZE,
@@ -535,7 +535,7 @@ def megatron_bridge_step(ref: Reference, directory: str) -> str:
     for flag in FUSION_FLAGS:
         setattr(cfg.model, flag, False)
     cfg.model.use_cpu_initialization = True
-    cfg.model.transformer_layer_spec = gpt_layer_spec(torch.device("cpu"))
+    cfg.model.transformer_layer_spec = gpt_layer_spec(cpu)
     cfg.mixed_precision = None
     cfg.ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     cfg.optimizer.use_distributed_optimizer = False  # megatron's refuses CPU tensors
@@ -554,8 +554,15 @@ def megatron_bridge_step(ref: Reference, directory: str) -> str:
     state = GlobalState()
     state.cfg = cfg
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    cfg.model._pg_collection = pg_collection
-    chunk = apply_device_shims(cfg.model.provide(), torch.device("cpu"))
+    cfg.model.register_pre_wrap_hook(lambda chunks: [apply_device_shims(c, cpu) for c in chunks])
+    # Bridge's own build (it calls provide(pre_process=, post_process=)), without its DDP
+    # wrapper, which opens a CUDA stream
+    (chunk,) = cfg.model.provide_distributed_model(
+        ddp_config=cfg.ddp,
+        wrap_with_ddp=False,
+        use_cpu_initialization=True,
+        pg_collection=pg_collection,
+    )
     layout = Layout("megatron-bridge", dp=2)
     with torch.no_grad():
         for name, param in chunk.named_parameters():
