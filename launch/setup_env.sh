@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+SPEC=${SPEC:-.[test]}  # what is installed, editable (launch/setup_env_newest.sh: .[newest])
 stamp=$VENV/.del-megatron-installed
 wanted=$(sha256sum pyproject.toml | cut -d' ' -f1)
 
@@ -25,6 +26,6 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   pip_install "torch==2.13.0"
 fi
 # setuptools' notice about editable installs is for package authors, not for this script
-PYTHONWARNINGS=ignore pip_install -e ".[test]"
+PYTHONWARNINGS=ignore pip_install -e "$SPEC"
 echo "$wanted" >"$stamp"
 echo "environment ready: $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -3,14 +3,35 @@
 # suite (slow multi-process tests too). Extra arguments go to pytest, e.g.
 # `bash launch/test.sh -m "not slow"`. The SLURM launch tests run when a test cluster answers
 # (bash tests/slurm/cluster.sh start; CI starts one) and are skipped otherwise; the container
-# tests likewise when a Docker engine answers (bash tests/docker/engine.sh prepare; CI too).
+# tests likewise when a Docker engine answers (bash tests/docker/engine.sh prepare; CI too). Then the tests
+# marked `megatron` (models, loss hook, Megatron-LM and Megatron-Bridge) run again on the newest
+# megatron-core, in .venv312 (launch/setup_env_newest.sh; skipped, saying so, where there is no
+# Python 3.12, unless DEL_REQUIRE_PY312=1, as CI sets).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash launch/setup_env.sh
+# the newest megatron-core's environment is mostly a download (torch's CUDA build on Python
+# 3.12): made in the background, beside the lint and the first run of the suite
+newest_log=$(mktemp)
+setsid bash launch/setup_env_newest.sh >"$newest_log" 2>&1 &
+newest_pid=$!  # its own process group: a failed lint or suite stops it, pip included
+trap 'kill -- -"$newest_pid" 2>/dev/null || true; rm -f "$newest_log"' EXIT
 .venv/bin/ruff check .
 .venv/bin/shellcheck launch/*.sh launch/experiments/*.sh launch/slurm/train.sbatch docker/entrypoint.sh \
   tests/slurm/cluster.sh .ci/run bench/gpu_acceptance.sh bench/fetch_gpu_wheels.sh \
   docker/pip-install.sh tests/docker/engine.sh
 .venv/bin/hadolint docker/Dockerfile tests/docker/standin.Dockerfile
 .venv/bin/python -m pytest "$@"
+
+newest=0
+wait "$newest_pid" || newest=$?
+cat "$newest_log"
+if [ "$newest" = 3 ] && [ "${DEL_REQUIRE_PY312:-0}" != 1 ]; then
+  echo "skipped: the tests on the newest megatron-core (no Python 3.12; see launch/setup_env_newest.sh)"
+elif [ "$newest" != 0 ]; then
+  exit "$newest"
+else
+  # exit status 5: the selection held no test marked megatron
+  DEL_MEGATRON_ONLY=1 .venv312/bin/python -m pytest "$@" || [ $? = 5 ]
+fi

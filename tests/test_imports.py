@@ -5,6 +5,7 @@ fresh interpreter (one already holding megatron would hide the import)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -53,3 +54,26 @@ def test_del_eval_help_waits_for_no_torch():
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.megatron
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron.training") is None,
+    reason="nothing to import by mistake: megatron.training ships with megatron-core 0.17+",
+)
+def test_the_megatron_lm_adapter_imports_neither_megatron_training_nor_bridge():
+    """megatron-core 0.16's wheel has no megatron.training, and Megatron-Bridge is an install
+    of its own: the package and its Megatron-LM adapter import without either (the Bridge
+    adapter, models/megatron_bridge.py, is imported only by its users)."""
+    probe = (
+        "import sys, del_megatron, del_megatron.models.gpt, del_megatron.models.megatron_lm\n"
+        "from del_megatron.models import build_llama, loss_func\n"
+        "found = sorted(m for m in sys.modules\n"
+        "               if m.startswith(('megatron.training', 'megatron.bridge')))\n"
+        "print(found[:3])\n"
+        "sys.exit(1 if found else 0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, f"imports {done.stdout.strip()} {done.stderr[-2000:]}"

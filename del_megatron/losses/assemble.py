@@ -20,21 +20,40 @@ from .terms import digit_entropy
 from .vocab import NOT_A_CLASS, POINT_CLASS, DigitVocab
 
 
+class NumericStats(dict):
+    """The statistics of a `NumericLossOutput` (STAT_KEYS -> 0-dim float64 tensors): a dict
+    that refuses to be read as a tensor. A loss function that takes a model's output tuple
+    as (per-token losses, loss mask) (Megatron-Bridge's `masked_next_token_loss` does, with
+    `output[1].view(-1)`) reaches this dict and raises, instead of multiplying the per-token
+    losses by a scalar and returning a wrong loss without a word."""
+
+    def view(self, *shape):
+        raise TypeError(
+            "this is the numeric loss head's output (per-token losses, statistics, ...), read "
+            "as (losses, loss_mask) by another loss function: use del_megatron's loss_func "
+            "(Megatron-LM: del_megatron.models.megatron_lm; Megatron-Bridge: "
+            "del_megatron.models.megatron_bridge.forward_step)"
+        )
+
+
 class NumericLossOutput(NamedTuple):
-    """loss, ce, numeric: scalars with loss = ce + alpha * numeric for the digit kinds (for
-    mixce and emo, loss is their objective, ce the plain CE, numeric 0 / the EMO cost).
-    per_token: labels' shape; per_token.sum() / stats['tokens'] == loss.
+    """per_token: labels' shape; per_token.sum() / stats['tokens'] == loss.
     stats: 0-dim float64 sums and counts (see STAT_KEYS), exact to reduce across ranks.
+    loss, ce, numeric: scalars with loss = ce + alpha * numeric for the digit kinds (for
+    mixce and emo, loss is their objective, ce the plain CE, numeric 0 / the EMO cost).
 
     A named tuple, not a dataclass: a model's forward returns it, and wrappers that hook the
     tensors a module returns (DeepSpeed ZeRO 3 re-gathers parameters for backward through
-    them) walk tuples and dicts, not dataclasses."""
+    them) walk tuples and dicts, not dataclasses; megatron's Float16Module makes it a plain
+    tuple (`NumericLossOutput(*output)` rebuilds it). The per-token losses come first, as
+    megatron-core's GPTModel returns them, and the statistics second, so that a loss function
+    reading a tuple as (losses, loss_mask) fails (`NumericStats.view`)."""
 
+    per_token: torch.Tensor
+    stats: NumericStats
     loss: torch.Tensor
     ce: torch.Tensor
     numeric: torch.Tensor
-    per_token: torch.Tensor
-    stats: dict[str, torch.Tensor]
 
 
 STAT_KEYS = (
@@ -236,7 +255,7 @@ def assemble(
         numeric_count=numeric_count,
         digits=num_digits,
     )
-    stats = {k: stats[k].detach().to(torch.float64) for k in STAT_KEYS}
+    stats = NumericStats({k: stats[k].detach().to(torch.float64) for k in STAT_KEYS})
     return NumericLossOutput(
         loss=loss,
         ce=ce,

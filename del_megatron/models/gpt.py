@@ -30,15 +30,55 @@ class NumericLossGPTModel(GPTModel):
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        self.head = self._numeric_head(digit_vocab, loss_config, promise_scaled_loss)
+        self.register_load_state_dict_pre_hook(emo_buffer_saved_before_the_head)
+
+    @classmethod
+    def from_gpt_model(
+        cls,
+        model: GPTModel,
+        digit_vocab: DigitVocab,
+        loss_config: NumericLossConfig,
+        promise_scaled_loss: bool = False,
+    ) -> NumericLossGPTModel:
+        """`model`, built by another loop's own builder (Megatron-LM's, Megatron-Bridge's
+        provider), made this class in place: the same module, parameters and architecture
+        (every field that builder read), ending in the loss head. Its class becomes this one
+        and it gains the head, nothing else."""
+        if type(model) is not GPTModel:
+            raise TypeError(
+                f"the numeric loss head replaces megatron-core GPTModel's loss; got "
+                f"{type(model).__name__} (a model class of its own may compute its loss itself)"
+            )
+        model.__class__ = cls
+        try:
+            model.head = model._numeric_head(digit_vocab, loss_config, promise_scaled_loss)
+        except BaseException:
+            model.__class__ = GPTModel  # a refused model is left as it was
+            raise
+        model.register_load_state_dict_pre_hook(emo_buffer_saved_before_the_head)
+        return model
+
+    def _numeric_head(
+        self, digit_vocab: DigitVocab, loss_config: NumericLossConfig, promise_scaled_loss: bool
+    ) -> NumericLossHead | None:
+        """The loss head of this model, built, on the stage holding the output layer only
+        (`post_process`): a pipeline's other stages have no loss and no output weights to take
+        EMO's cost embedding from (None there)."""
         if self.config.mtp_num_layers is not None:
             raise ValueError("multi-token prediction is not supported with the numeric loss head")
+        if not self.parallel_output:
+            raise ValueError(
+                "the numeric loss head works on vocabulary shards: build the model with "
+                "parallel_output=True (megatron's default)"
+            )
+        if not self.post_process:
+            return None
         # the cost embedding (emo) is taken from the weights at construction; see
         # freeze_emo_cost_embedding for weights loaded afterwards
-        weight = self.output_weight() if self.post_process else None
-        self.head = NumericLossHead(
-            digit_vocab, loss_config, weight, promise_scaled_loss=promise_scaled_loss
+        return NumericLossHead(
+            digit_vocab, loss_config, self.output_weight(), promise_scaled_loss=promise_scaled_loss
         )
-        self.register_load_state_dict_pre_hook(emo_buffer_saved_before_the_head)
 
     def output_weight(self) -> torch.Tensor:
         """This rank's output-layer rows [V/tp, h] (the embedding's when they are tied)."""
@@ -49,8 +89,37 @@ class NumericLossGPTModel(GPTModel):
     def freeze_emo_cost_embedding(self) -> None:
         """Take EMO's cost embedding again from the current output weights (this rank's
         rows): call it after loading initial weights into a built model (the trainer does).
-        Without it, the weights at construction are the ones it is taken from."""
-        self.head.take_cost_embedding(self.output_weight())
+        Without it, the weights at construction are the ones it is taken from. Nothing to
+        take on a pipeline stage without the output layer."""
+        if self.head is not None:
+            self.head.take_cost_embedding(self.output_weight())
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """megatron's sharded state dict (distributed checkpoints), with EMO's cost embedding
+        declared as what it is: this rank's rows [V/tp, h] of a [V, h] tensor, sharded over
+        tensor-parallel ranks along dim 0 like the output weight it is taken from (megatron's
+        default for a buffer of a plain module is a tensor replicated over them, which keeps
+        one rank's rows only)."""
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.head is not None and self.head.emo_cost_embedding is not None:
+            name = "emo_cost_embedding"
+            sharded.update(
+                make_sharded_tensors_for_checkpoint(
+                    {name: self.head.emo_cost_embedding},
+                    f"{prefix}head.",
+                    {name: 0},
+                    sharded_offsets,
+                    tp_group=self.pg_collection.tp,
+                    dp_cp_group=metadata["dp_cp_group"],
+                )
+            )
+        return sharded
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         """With labels: the loss head, on the hidden states [s, b, h] and the output weight
@@ -84,16 +153,17 @@ def emo_buffer_saved_before_the_head(module, state_dict, prefix, *args) -> None:
         state_dict[prefix + "head.emo_cost_embedding"] = state_dict.pop(old)
 
 
-def loss_func(loss_mask: torch.Tensor, output: NumericLossOutput):
+def loss_func(loss_mask: torch.Tensor, output: NumericLossOutput | tuple):
     """megatron-core loss function: (loss sum, token count, report dict of [sum, count]).
 
     output: what NumericLossGPTModel returns with labels (per-token losses [b, s] and their
-    statistics); loss_mask [b, s]. In a stock Megatron-LM loop, forward_step returns
-    `output, partial(loss_func, loss_mask)`. Report keys: 'lm loss' (the objective), 'ce',
-    'numeric', 'digit_acc', 'digit_cond_acc', 'digit_entropy', 'digit_abs_error'; each value
-    a 2-element tensor [sum, count] to be summed over micro-batches and data-parallel ranks
-    and divided.
+    statistics), or the plain tuple megatron's Float16Module (bf16 / fp16 runs) makes of it;
+    loss_mask [b, s]. Report keys: 'lm loss' (the objective), 'ce', 'numeric', 'digit_acc',
+    'digit_cond_acc', 'digit_entropy', 'digit_abs_error'; each value a 2-element tensor
+    [sum, count] to be summed over micro-batches and data-parallel ranks and divided. The
+    Megatron-LM and Megatron-Bridge loops take theirs from models/megatron_lm.py.
     """
+    output = _as_output(output)
     losses = output.per_token.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(losses * mask)
@@ -102,3 +172,18 @@ def loss_func(loss_mask: torch.Tensor, output: NumericLossOutput):
     for name, (total, count) in report_pairs(output.stats).items():
         report[name] = torch.stack([total, count]).to(loss_sum.dtype)
     return loss_sum, num_tokens, report
+
+
+def _as_output(output: NumericLossOutput | tuple) -> NumericLossOutput:
+    """The head's output, also from the plain tuple Float16Module makes of it; anything else
+    (megatron's GPTModel's per-token CE, another model's output) refused, naming it."""
+    if isinstance(output, NumericLossOutput):
+        return output
+    fields = len(NumericLossOutput._fields)
+    if isinstance(output, tuple) and len(output) == fields and isinstance(output[1], dict):
+        return NumericLossOutput(*output)
+    got = f"a tensor {tuple(output.shape)}" if torch.is_tensor(output) else type(output).__name__
+    raise TypeError(
+        f"loss_func takes the numeric loss head's output (NumericLossGPTModel called with "
+        f"labels and loss_mask), got {got}: is the model built by del_megatron's builder?"
+    )

@@ -34,10 +34,13 @@ def transformer_config(arch: LlamaArchitecture, device: torch.device, **override
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         "tensor_model_parallel_size": _tp_size(),
+        **_pipeline_sizes(),
         "cuda_graph_scope": [],  # no CUDA graphs; megatron's default "full" is deprecated
         **transformer_config_overrides(device),
     }
     fields.update(overrides)
+    if fields["pipeline_model_parallel_size"] > 1:
+        fields.setdefault("pipeline_dtype", fields["params_dtype"])  # what stages exchange
     return TransformerConfig(**fields)
 
 
@@ -73,6 +76,9 @@ def build_llama(
     seed: int,
     weights_follow: bool = False,
     promise_scaled_loss: bool = False,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
     **config_overrides: Any,
 ) -> NumericLossGPTModel:
     """A megatron-core GPTModel of `arch` whose loss is the numeric loss hook, built from
@@ -80,16 +86,22 @@ def build_llama(
 
     Needs megatron's parallel state initialized (tensor parallel size taken from it).
     promise_scaled_loss: the caller's backward is of `loss_func`'s loss sum times one factor
-    (the trainer's is): see `NumericLossGPTModel`.
+    (the trainer's is): see `NumericLossGPTModel`. pre_process, post_process, vp_stage: the
+    pipeline stage (megatron's meaning: the embedding, the output layer and loss, the
+    virtual stage), with the pipeline's sizes among `config_overrides`.
     """
     tp = _tp_size()
     arch.check_tensor_parallel(tp)
     config = model_config(
         arch, device, seed=seed, weights_follow=weights_follow, **config_overrides
     )
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    # this stage's layers only (megatron numbers them from the stage's offset)
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     model = NumericLossGPTModel(
         config=config,
-        transformer_layer_spec=gpt_decoder_spec(device, arch.num_layers),
+        transformer_layer_spec=gpt_decoder_spec(device, layers),
         vocab_size=arch.padded_vocab_size(tp),
         max_sequence_length=arch.max_position_embeddings,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
@@ -97,6 +109,9 @@ def build_llama(
         rotary_base=arch.rope_theta,  # a float: int() would change a fractional theta
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
         digit_vocab=digit_vocab,
         loss_config=loss_config,
         promise_scaled_loss=promise_scaled_loss,
@@ -111,3 +126,15 @@ def _tp_size() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _pipeline_sizes() -> dict[str, int | None]:
+    """The pipeline's (and its virtual stages') sizes of megatron's parallel state."""
+    from megatron.core import parallel_state
+
+    return {
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": (
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        ),
+    }

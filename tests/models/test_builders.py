@@ -25,6 +25,8 @@ import torch
 
 from .tiny_hf import tiny_hf_model
 
+pytestmark = pytest.mark.megatron  # run on every supported megatron-core
+
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,6 +22,8 @@ import torch
 
 from del_megatron.models.architecture import LlamaArchitecture
 
+pytestmark = pytest.mark.megatron  # run on every supported megatron-core
+
 # heads, query groups, tensor parallel, sequence, batch, head dim
 CASES = [
     (4, 4, 1, 7, 2, 8),  # multi-head

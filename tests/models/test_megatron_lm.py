@@ -1,0 +1,285 @@
+"""The Megatron-LM adapter (models/megatron_lm.py) called the way Megatron-LM's loop calls it:
+the builder with pretrain_gpt.py's signature, the pre-wrap hook of the config-container form,
+the loss function's return contract, report and checks, and the head's output as megatron's
+wrappers hand it on. One process; megatron's schedules at TP 2, PP 2 and virtual PP, and a
+real megatron.training step, are in tests/distributed/test_megatron_schedules.py."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import replace
+from functools import partial
+
+import pytest
+import torch
+
+from del_megatron import DigitVocab, NumericLossConfig, numeric_loss
+from del_megatron.errors import UserError
+from del_megatron.models import LlamaArchitecture, megatron_lm
+from del_megatron.models.gpt import NumericLossGPTModel
+from tests.utils import assert_close
+
+pytestmark = pytest.mark.megatron
+
+VOCAB = DigitVocab(digit_ids=list(range(10, 20)), point_ids=[20], vocab_size=100)
+LOSS = NumericLossConfig(kind="del", normalize="tokens")
+ARCH = LlamaArchitecture(
+    vocab_size=100,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_layers=2,
+    num_attention_heads=4,
+    num_query_groups=2,
+    max_position_embeddings=16,
+    rope_theta=500000.0,
+    qkv_bias=True,
+    tie_word_embeddings=True,
+)
+# Megatron-LM's gpt_builders.gpt_builder (core_v0.16.1 and today's): the builder that
+# `partial(model_provider, builder)` calls as builder(args, pre_process, post_process,
+# vp_stage, config=config, pg_collection=pg_collection)
+GPT_BUILDER_SIGNATURE = [
+    ("args", inspect.Parameter.empty),
+    ("pre_process", inspect.Parameter.empty),
+    ("post_process", inspect.Parameter.empty),
+    ("vp_stage", None),
+    ("config", None),
+    ("pg_collection", None),
+]
+
+
+def megatron_gpt_builder(
+    args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None
+):
+    """What Megatron-LM's gpt_builder does with its arguments (the file is not in the wheel):
+    megatron-core's own GPTModel from the config and the architecture flags, here with the
+    CPU's layer spec and shims."""
+    from megatron.core.models.gpt import GPTModel
+
+    from del_megatron.models.device import apply_device_shims, gpt_layer_spec
+
+    cpu = torch.device("cpu")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(cpu),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+    return apply_device_shims(model, cpu)
+
+
+class Args:
+    """The Megatron-LM arguments gpt_builder reads."""
+
+    padded_vocab_size = ARCH.padded_vocab_size(1)
+    max_position_embeddings = ARCH.max_position_embeddings
+    untie_embeddings_and_output_weights = False
+    rotary_base = ARCH.rope_theta
+
+
+@pytest.fixture
+def config(one_process_groups):
+    from del_megatron.models.llama import transformer_config
+
+    return transformer_config(ARCH, torch.device("cpu"), calculate_per_token_loss=True)
+
+
+def batch(digits: bool = True):
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(21, 100, (2, 17), generator=gen)
+    if digits:
+        tokens[:, 3:9] = torch.randint(10, 20, (2, 6), generator=gen)
+    mask = (torch.rand(2, 16, generator=gen) > 0.2).float()
+    positions = torch.arange(16).expand(2, 16)
+    return tokens[:, :-1], tokens[:, 1:].contiguous(), mask, positions
+
+
+def test_the_builder_has_megatron_lms_builder_signature():
+    builder = megatron_lm.numeric_builder(megatron_gpt_builder, VOCAB, LOSS)
+    found = [(p.name, p.default) for p in inspect.signature(builder).parameters.values()]
+    assert found == GPT_BUILDER_SIGNATURE
+    theirs = inspect.signature(megatron_gpt_builder).parameters.values()
+    assert [(p.name, p.default) for p in theirs] == GPT_BUILDER_SIGNATURE
+
+
+def test_the_builder_keeps_the_model_megatron_built_and_ends_it_in_the_head(config):
+    """The GPTModel of Megatron-LM's builder (tied embeddings, rope base 500000, QKV bias:
+    fields the builder read) becomes a NumericLossGPTModel in place, parameters untouched;
+    with labels its forward is the head's loss on that model's own logits."""
+    builder = megatron_lm.numeric_builder(megatron_gpt_builder, VOCAB, LOSS)
+    model = builder(Args(), True, True, None, config=config, pg_collection=None)
+    assert type(model) is NumericLossGPTModel and model.share_embeddings_and_output_weights
+    assert model.rotary_pos_emb.inv_freq[1].item() == pytest.approx(500000.0 ** (-2 / 8))
+    tokens, labels, mask, positions = batch()
+    logits = model(tokens, positions, None)  # megatron's own forward: [b, s, V]
+    expected = numeric_loss(logits, labels, VOCAB, LOSS, mask)
+    output = model(tokens, positions, None, labels=labels, loss_mask=mask)
+    assert_close(output.loss, expected.loss, atol=1e-6, what="loss")
+    assert_close(output.per_token, expected.per_token, atol=1e-6, what="per-token losses")
+
+
+def test_the_pre_wrap_hook_makes_every_stage_end_in_the_head(config):
+    hook = megatron_lm.numeric_loss_hook(VOCAB, LOSS)
+    stages = [megatron_gpt_builder(Args(), True, True, config=config) for _ in range(2)]
+    assert [type(m) for m in hook(stages)] == [NumericLossGPTModel] * 2
+
+
+def test_another_model_class_is_refused(config):
+    """A GPTModel subclass of the user's may compute its loss itself: not converted."""
+    from megatron.core.models.gpt import GPTModel
+
+    from del_megatron.models.device import gpt_layer_spec
+
+    class Custom(GPTModel):
+        pass
+
+    model = Custom(config, gpt_layer_spec(torch.device("cpu")), 128, 16)
+    with pytest.raises(TypeError, match="Custom"):
+        NumericLossGPTModel.from_gpt_model(model, VOCAB, LOSS)
+
+
+def test_a_refused_model_is_left_as_it_was(config):
+    from megatron.core.models.gpt import GPTModel
+
+    model = megatron_gpt_builder(Args(), True, True, config=config)
+    model.parallel_output = False  # its logits gathered: no vocabulary shard to work on
+    with pytest.raises(ValueError, match="parallel_output=True"):
+        NumericLossGPTModel.from_gpt_model(model, VOCAB, LOSS)
+    assert type(model) is GPTModel and not hasattr(model, "head")
+
+
+def test_emo_builds_on_a_pipeline_stage_without_the_output_layer(config):
+    """EMO's cost embedding is taken from the output weights, which only the last stage
+    holds: the other stages have no head (before: 'kind='emo' needs the output weights')."""
+    emo = NumericLossConfig(kind="emo", normalize="tokens")
+    hook = megatron_lm.numeric_loss_hook(VOCAB, emo)
+    first, last = hook(
+        [megatron_gpt_builder(Args(), True, post, config=config) for post in (False, True)]
+    )
+    assert first.head is None and last.head.emo_cost_embedding is not None
+    first.freeze_emo_cost_embedding()  # nothing to take there
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"calculate_per_token_loss": False}, "--calculate-per-token-loss"),
+        ({"context_parallel_size": 2}, "context_parallel_size=1"),
+    ],
+)
+def test_settings_megatron_cannot_sum_exactly_are_refused_in_one_line(config, change, named):
+    with pytest.raises(UserError, match=named) as refused:
+        megatron_lm.check_megatron_loop(replace(config, **change), LOSS)
+    assert "\n" not in str(refused.value)
+
+
+def test_normalize_digits_is_refused_in_one_line(config):
+    """normalize="digits" divides each micro-batch by its own digit count: no sum over
+    micro-batches gives the global batch's loss (the schedules test shows the difference)."""
+    builder = megatron_lm.numeric_builder(megatron_gpt_builder, VOCAB, NumericLossConfig())
+    with pytest.raises(UserError, match="normalize='tokens'"):
+        builder(Args(), True, True, config=config)
+
+
+@pytest.fixture
+def model(config):
+    builder = megatron_lm.numeric_builder(megatron_gpt_builder, VOCAB, LOSS)
+    return builder(Args(), True, True, config=config)
+
+
+def test_the_loss_function_follows_megatrons_contract(model):
+    """(loss sum, token count int, report of 2-element [sum, count] pairs), as Megatron-LM's
+    loss_func returns; 'lm loss' is the cross entropy (its PPL the perplexity), 'objective'
+    the loss trained on."""
+    tokens, labels, mask, positions = batch()
+    output = model(tokens, positions, None, labels=labels, loss_mask=mask)
+    loss, num_tokens, report = megatron_lm.loss_func(mask, output, model=model)
+    assert num_tokens.dtype == torch.int and num_tokens.item() == mask.sum().item()
+    assert_close(loss, (output.per_token * mask).sum(), atol=1e-5, what="loss sum")
+    assert list(report)[:2] == ["lm loss", "objective"]
+    assert all(pair.shape == (2,) and pair.dtype == torch.float32 for pair in report.values())
+    assert_close(report["lm loss"][0] / report["lm loss"][1], output.ce, atol=1e-6, what="ce")
+    objective = report["objective"][0] / report["objective"][1]
+    assert_close(objective, output.loss, atol=1e-6, what="objective")
+    assert report["lm loss"][1].item() == mask.sum().item()  # the count kept exactly
+
+
+def test_a_batch_without_digits_reports_zero_not_nan(model):
+    tokens, labels, mask, positions = batch(digits=False)
+    output = model(tokens, positions, None, labels=labels, loss_mask=mask)
+    _, _, report = megatron_lm.loss_func(mask, output)
+    for key in ("digit_acc", "digit_cond_acc", "digit_entropy", "digit_abs_error"):
+        pair = torch.stack([report[key], report[key]]).sum(0)  # two micro-batches, summed
+        assert (pair[0] / pair[1]).item() == 0.0, key
+
+
+def test_the_output_after_megatrons_float16_wrapper_is_read(model):
+    """Float16Module (every bf16 run of Megatron-LM and Bridge) returns the last stage's
+    output through float16_to_fp32, which makes a named tuple a plain tuple."""
+    from megatron.core.transformer.module import float16_to_fp32
+
+    tokens, labels, mask, positions = batch()
+    output = model(tokens, positions, None, labels=labels, loss_mask=mask)
+    plain = float16_to_fp32(output)
+    assert type(plain) is tuple
+    expected = megatron_lm.loss_func(mask, output)
+    found = megatron_lm.loss_func(mask, plain)
+    assert_close(found[0], expected[0], atol=0, what="loss")
+
+
+def test_a_tensor_instead_of_the_heads_output_is_refused(model):
+    """megatron's own GPTModel returns per-token CE [b, s]: read as the head's five fields it
+    would be silently wrong."""
+    mask = batch()[2]
+    per_token = torch.zeros(5, 16)
+    with pytest.raises(TypeError, match=r"a tensor \(5, 16\)"):
+        megatron_lm.loss_func(mask[:1].expand(5, 16), per_token)
+
+
+@pytest.fixture
+def megatron_on_cpu():
+    from tests.megatron_cpu import run_megatron_on_cpu
+
+    run_megatron_on_cpu()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_loss_stops_as_megatrons_check_stops_it(model, megatron_on_cpu, bad):
+    tokens, labels, mask, positions = batch()
+    output = model(tokens, positions, None, labels=labels, loss_mask=mask)
+    poisoned = output._replace(per_token=output.per_token.detach().clone())
+    poisoned.per_token[0, 0] = bad
+    mask[0, 0] = 1.0
+    what = "NaN" if bad != bad else "Inf"
+    with pytest.raises(RuntimeError, match=f"found {what} in local forward loss calculation"):
+        megatron_lm.loss_func(mask, poisoned)
+    megatron_lm.loss_func(mask, poisoned, check_for_nan_in_loss=False)  # not asked: no check
+
+
+def test_a_spiky_loss_is_reported_as_megatron_reports_it(model, megatron_on_cpu, caplog):
+    """megatron's rerun state machine learns the largest of the first 100 losses, then flags
+    one 10x above it (non-fatal: logged in its default mode)."""
+    tokens, labels, mask, positions = batch()
+    with torch.no_grad():
+        output = model(tokens, positions, None, labels=labels, loss_mask=mask)
+    check = partial(megatron_lm.loss_func, mask, check_for_spiky_loss=True)
+    for _ in range(100):
+        check(output)
+    with caplog.at_level(logging.WARNING):
+        check(output)
+        assert "Spiky loss" not in caplog.text
+        check(output._replace(per_token=output.per_token * 20))
+    assert "Spiky loss" in caplog.text
+
+
+def test_the_forward_step_needs_megatron_lms_loss_partial():
+    with pytest.raises(TypeError, match="partial"):
+        megatron_lm._loss_mask_of(lambda output: output)
