@@ -19,6 +19,7 @@ import yaml
 from del_megatron.cli.train import EXIT_STOPPED
 
 from ..distributed.launcher import ROOT, torchrun_env
+from ..utils import each_once
 
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
 VENV_BIN = str(Path(sys.executable).parent)
@@ -176,14 +177,16 @@ def test_launchers_continue_only_a_run_of_the_same_config(tmp_path, synth_tokeni
     )
     proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", *run)  # a restart
     assert proc.returncode == 0 and '"resume_step": 4' in proc.stdout, proc.stderr
-    proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", *run, other)
+    proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", *each_once(*run, other))
     assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == refused, proc.stderr
-    proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", "--resume", "auto", *run, other)
+    proc = torchrun_sh(
+        "--dry-run", "--nproc-per-node", "2", "--resume", "auto", *each_once(*run, other)
+    )
     assert proc.returncode == 0 and "# resume: data.sources " in proc.stdout, proc.stderr
     assert "--resume auto" in proc.stdout.split("# command: ", 1)[1]
-    proc = sbatch_dry_run(tmp_path, *run, other, WORLD_SIZE="2")
+    proc = sbatch_dry_run(tmp_path, *each_once(*run, other), WORLD_SIZE="2")
     assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == refused, proc.stderr
-    proc = sbatch_dry_run(tmp_path, "--resume", "auto", *run, other, WORLD_SIZE="2")
+    proc = sbatch_dry_run(tmp_path, "--resume", "auto", *each_once(*run, other), WORLD_SIZE="2")
     assert proc.returncode == 0 and "# resume: data.sources " in proc.stdout, proc.stderr
 
 

@@ -20,11 +20,12 @@ import psutil
 import pytest
 
 from ..distributed.launcher import ROOT
+from ..utils import each_once
 
 pytestmark = pytest.mark.slow
 
 STEPS = 30
-EVERY_STEP = "train.log_interval=1"  # after the overrides' 10: the last value wins
+EVERY_STEP = "train.log_interval=1"  # in place of the overrides' 10
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
@@ -93,7 +94,8 @@ class Job:
 
 
 def overrides(tokenizer, manifest, out: Path, *extra: str) -> list[str]:
-    return [
+    """The run's overrides; `extra`'s values replace these (each field once)."""
+    return each_once(
         f"data.tokenizer={tokenizer}",
         f"data.sources=[{{manifest: {manifest}}}]",
         "eval.sources=[]",
@@ -102,7 +104,7 @@ def overrides(tokenizer, manifest, out: Path, *extra: str) -> list[str]:
         "logging.wandb=disabled",
         f"output_dir={out}",
         *extra,
-    ]
+    )
 
 
 def sbatch(root: Path, args: list[str], *, wait: bool = False, nodes: str = "2", **env: str):
@@ -241,9 +243,7 @@ def test_restart_cap_stops_requeueing(synth_tokenizer, synth_shards, tmp_path):
 def test_mistakes_fail_fast_without_requeue(
     override, expected, synth_tokenizer, synth_shards, tmp_path
 ):
-    job, _ = sbatch(
-        tmp_path, [*overrides(synth_tokenizer, synth_shards, tmp_path / "run"), override]
-    )
+    job, _ = sbatch(tmp_path, overrides(synth_tokenizer, synth_shards, tmp_path / "run", override))
     info = job.finish()
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", job.log[-3000:]
     assert info["Restarts"] == "0"
