@@ -124,7 +124,8 @@ def commit_output(staging: Path, final: Path, is_ours: Ours) -> Path | None:
     if clash:
         raise UserError(f"{final}: your file {clash[0]} has the name of an output file; rename it")
     aside = set_aside(final, is_ours)
-    new = sorted(staging.iterdir(), key=lambda p: p.name == "manifest.json")  # manifest last
+    # the list of the files last (a manifest, files.json): a reader who finds it finds them
+    new = sorted(staging.iterdir(), key=lambda p: p.name in ("manifest.json", "files.json"))
     for path in new:
         os.replace(path, final / path.name)
     staging.rmdir()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import collectives
+from .. import collectives, inputs
 from ..config import ConfigError, dump_run_config
 from ..data import DataError, StreamingLoader
 from ..data.state import SavedState, rank_record, read_saved, saved_file
@@ -32,7 +32,7 @@ from . import checkpoint_files, checkpoint_writer, layout_free
 from . import schedule as schedule_file
 
 PREFIX = "step-"
-TMP_PREFIX = ".tmp-"
+TMP_PREFIX = inputs.BEING_WRITTEN  # what readers refuse (del_megatron/inputs.py)
 DEEPSPEED_TAG = checkpoint_files.DEEPSPEED_TAG  # the directory of DeepSpeed's own files
 
 
@@ -450,27 +450,37 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+    """Complete checkpoints under `root` (a final name, meta.json and files.json, which the
+    save writes last), oldest first."""
     if not root.is_dir():
         return []
     return sorted(
         p
         for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(PREFIX) and (p / "meta.json").is_file()
+        if p.is_dir()
+        and p.name.startswith(PREFIX)
+        and (p / "meta.json").is_file()
+        and (p / checkpoint_files.INDEX).is_file()
     )
 
 
 def resolve(resume: str, output_dir: str) -> Path | None:
     """'none' -> None; 'auto' and 'same' -> the newest complete checkpoint (None if there is
-    none); anything else is a checkpoint directory that must exist."""
+    none); anything else is a checkpoint directory that must exist and be whole
+    (del_megatron/inputs.py: not one being written, its files list, every file at its
+    size)."""
     if resume == "none":
         return None
     if resume in ("auto", "same"):  # same: auto, for the same config (resume_changes.py)
         found = complete_checkpoints(root_of(output_dir))
         return found[-1] if found else None
     path = Path(resume)
+    try:
+        inputs.check_whole(path, "--resume")
+    except UserError as err:
+        raise ConfigError(str(err)) from None
     if not (path / "meta.json").is_file():
-        raise ConfigError(f"--resume {resume}: not a complete checkpoint directory (no meta.json)")
+        raise ConfigError(f"--resume {resume}: not a checkpoint directory (no meta.json)")
     return path
 
 

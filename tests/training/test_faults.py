@@ -209,3 +209,38 @@ def test_a_changed_byte_of_a_saved_weight_is_refused_by_its_readers(saved, tmp_p
     problems.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
     assert evaluate([str(checkpoint), "--gsm8k", str(problems), "--shots", "0"]) == 2
     assert f"{weights}: its contents differ from the checksum" in capsys.readouterr().err
+
+
+def test_inputs_that_are_not_whole_are_refused_by_every_reader(saved, tmp_path, capsys):
+    """Inputs that are not whole (issue 37): a checkpoint still being written (a `.tmp-`
+    name, no files.json yet), a file of it missing, a step that does not exist. Before:
+    del-eval and del-convert evaluated and exported the first (exit 0), and the missing step
+    was 'model/arch.json: no such file (not a del-megatron weights directory)'."""
+    from del_megatron.cli.convert import main as convert
+    from del_megatron.cli.eval import main as evaluate
+
+    root = tmp_path / "checkpoints"
+    writing = root / ".tmp-step-0000004"
+    shutil.copytree(saved / "checkpoints" / "step-0000002", writing)
+    (writing / "files.json").unlink()
+    unlisted = shutil.copytree(writing, root / "step-0000003")
+    short = shutil.copytree(saved / "checkpoints" / "step-0000002", root / "step-0000002")
+    (short / "model" / "arch.json").unlink()
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    capsys.readouterr()
+    cases = [
+        (writing, "a directory still being written"),
+        (unlisted, "no files.json (the list of its files"),
+        (short, f"{short / 'model' / 'arch.json'}: missing (listed in"),
+        (root / "step-0000040", f"does not exist ({root} holds step-0000002, step-0000003)"),
+    ]
+    for path, expected in cases:
+        argv = ["megatron-to-hf", "--checkpoint", str(path), "--out", str(tmp_path / "hf")]
+        assert convert(argv) == 2
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1, err
+        assert evaluate([str(path), "--gsm8k", str(problems), "--shots", "0"]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1, err
+    assert not (tmp_path / "hf").exists()
