@@ -40,9 +40,10 @@ class ParallelConfig(_Section):
     zero_stage: Literal[1, 2, 3] = 1
     """DeepSpeed ZeRO stage across data-parallel ranks (its optimizers skip steps with
     non-finite gradients; stage 0's plain optimizer would apply them)."""
-    collective_timeout_minutes: int = Field(default=60, gt=0)
+    collective_timeout_minutes: float = Field(default=60, gt=0)
     """How long a rank waits in a collective before the run fails: the timeout of the
-    process group and of megatron-core's groups. While some ranks write a checkpoint the
+    process group and of megatron-core's groups, and of the wait for every rank to start
+    (del_megatron/rendezvous.py). While some ranks write a checkpoint the
     others wait in the next collective: at 7B a checkpoint is up to 189 GB
     (docs/checkpoints.md), which one node writes within DeepSpeed's default of 10 minutes
     only above 315 MB/s; within 60 minutes above 53 MB/s."""

@@ -230,15 +230,28 @@ def _is_io_failure(err: BaseException) -> bool:
         text = str(err)
         if type(err).__name__ == "SafetensorError" or "cannot be opened" in text:
             return True
-        if "PytorchStreamWriter failed" in text:
+        if any(sign in text for sign in TORCH_WRITE_FAILURES):
             return True
         err = err.__cause__ or err.__context__
     return False
 
 
+# What torch.save's C++ writer raises (a RuntimeError, its errno lost) when a write fails:
+# on a full disk, one of these, depending on where in the file it was
+TORCH_WRITE_FAILURES = (
+    "PytorchStreamWriter failed",
+    "basic_ios::clear: iostream error",
+    "unexpected pos",
+)
+
+
 def _write_problem(err: BaseException, pending: PendingSave) -> str:
-    if is_no_space(err):
-        return str(no_space(pending.final.parent, pending.needed))
+    """The one line of a failed write: a full disk's (said by the error, or, where a
+    library lost the errno, by the disk having less room than the checkpoint needs), else
+    the error's."""
+    root = pending.final.parent
+    if is_no_space(err) or free_bytes(root) + being_freed(root) < pending.needed:
+        return str(no_space(root, pending.needed))
     return f"{pending.tmp}: writing the checkpoint failed ({one_line(str(err))[:300]})"
 
 

@@ -147,8 +147,9 @@ def damage(case: str, tmp: Path, shards: Path, fingerprint: str, tree: dict) -> 
             return ["--resume", str(path.rename(path.with_name(".tmp-step-0000004")))]
         elif case == "checkpoint step that does not exist":
             return ["--resume", str(path.with_name("step-0000040"))]
-        if case != "checkpoint over a fresh start":
-            return ["--resume", str(path)]
+        if case == "checkpoint over a fresh start":  # del-train's default is --resume same
+            return ["--resume", "none"]
+        return ["--resume", str(path)]
     elif case == "init.hf missing":
         return ["init.hf=models/nowhere", "init.hf_hub_id=org/model", "data.tokenizer=null"]
     elif case == "init.hf broken config":
@@ -277,3 +278,23 @@ def test_a_mistake_is_left_for_the_launcher(setup, capsys, monkeypatch, tmp_path
     line = capsys.readouterr().err
     assert [p.name for p in errors.iterdir()] == ["rank-1"]
     assert (errors / "rank-1").read_text() == line
+
+
+def test_every_rank_says_why_it_stops_on_its_own_stderr(setup, capsys, monkeypatch):
+    """Peers (issue 37): rank 1 started alone (RANK=1 WORLD_SIZE=2 LOCAL_RANK=1) stopped on a
+    mistake with status 2 and nothing on stderr or stdout: only a node's first rank spoke,
+    for launchers that collect every rank's line (ours). Where none collects it, each rank
+    says it, once a node for a line its ranks share (plain srun: one job, one node here)."""
+    tmp, config, *_ = setup
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))  # where a node keeps the lines said
+    monkeypatch.delenv("DEL_USER_ERROR_DIR", raising=False)
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("SLURM_JOB_ID", "4242")):
+        monkeypatch.setenv(name, value)
+    assert main(["--config", str(config), "--dry-run", "train.steps=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("del-train: error: train.steps: Input should be greater than 0"), err
+    monkeypatch.setenv("RANK", "2")  # another rank of the node, the same line: said once
+    assert main(["--config", str(config), "--dry-run", "train.steps=0"]) == 2
+    assert capsys.readouterr().err == ""
+    assert main(["--config", str(config), "--dry-run", "train.steps=-1"]) == 2  # another
+    assert "train.steps: Input should be greater than 0" in capsys.readouterr().err
