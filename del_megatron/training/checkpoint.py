@@ -185,14 +185,14 @@ def publish(run: Any, pending: PendingSave, *, run_ends: bool = False) -> Path:
         if failure is not None and not _is_io_failure(failure):
             raise failure
         raise CheckpointError(problems[0])
-    checkpoint_files.write_index(pending.tmp, entries, run.rank, run.world)  # gathers
-    if run.is_main:
-        try:
+    try:  # its gathers come first, then rank 0 writes files.json: a full disk meets that
+        checkpoint_files.write_index(pending.tmp, entries, run.rank, run.world)
+        if run.is_main:
             _rename_and_prune(pending, background=pending.background and not run_ends)
-        except Exception as err:
-            if not _is_io_failure(err):
-                raise
-            problem = _write_problem(err, pending)
+    except Exception as err:
+        if not _is_io_failure(err):
+            raise
+        problem = _write_problem(err, pending)
     problems = [p for p in collectives.all_gather_object(problem) if p]  # also a barrier
     if problems:
         raise CheckpointError(problems[0])
