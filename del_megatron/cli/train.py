@@ -127,16 +127,17 @@ def say_error(line: str) -> None:
 
 
 def _job_key() -> str | None:
-    """The job this process is a rank of (None: a run alone, or no launcher to tell)."""
+    """The job this process is a rank of, on this node (None: no launcher to tell): its
+    SLURM step or torchrun launch, and the process that started this node's ranks of it
+    (slurmstepd, torchrun's agent), so that no other run ever shares the key."""
     env = os.environ
     if "SLURM_JOB_ID" in env:
         parts = [env["SLURM_JOB_ID"], env.get("SLURM_STEP_ID", ""), env.get("SLURM_RESTART_COUNT")]
     elif "TORCHELASTIC_RUN_ID" in env:
         parts = [env["TORCHELASTIC_RUN_ID"], env.get("TORCHELASTIC_RESTART_COUNT")]
-    elif env.get("WORLD_SIZE", "1") != "1" and "MASTER_PORT" in env:
-        parts = [env.get("MASTER_ADDR"), env["MASTER_PORT"]]
     else:
         return None
+    parts.append(str(os.getppid()))
     return "-".join("".join(c if c.isalnum() else "_" for c in str(p or "")) for p in parts)
 
 
