@@ -11,13 +11,14 @@ import json
 import sys
 from pathlib import Path
 
+from del_megatron.caches import use_writable_caches
 from del_megatron.cli.arguments import (
     non_negative_int,
     positive_float,
     positive_int,
     progress_bars,
 )
-from del_megatron.errors import UserError
+from del_megatron.errors import INTERRUPTED, UserError
 
 from .readers import Fields
 
@@ -186,10 +187,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        use_writable_caches("data-tools")
         args.func(args)
     except UserError as err:
         print(f"data-tools {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outputs are written whole or not at all: left as they were
+        print(f"data-tools {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

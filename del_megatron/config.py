@@ -46,9 +46,10 @@ class ParallelConfig(_Section):
     this rank's float32 partition and reduce-scatters it (half the bytes); stage 3 also
     partitions the weights, gathered in forward and again in backward where stage 2
     all-gathers them once a step, and holds a float32 reduce bucket (training/plan.py)."""
-    collective_timeout_minutes: int = Field(default=60, gt=0)
+    collective_timeout_minutes: float = Field(default=60, gt=0)
     """How long a rank waits in a collective before the run fails: the timeout of the
-    process group and of megatron-core's groups. While some ranks write a checkpoint the
+    process group and of megatron-core's groups, and of the wait for every rank to start
+    (del_megatron/rendezvous.py). While some ranks write a checkpoint the
     others wait in the next collective: at 7B a checkpoint is up to 189 GB
     (docs/checkpoints.md), which one node writes within DeepSpeed's default of 10 minutes
     only above 315 MB/s; within 60 minutes above 53 MB/s."""
@@ -352,13 +353,63 @@ _YamlLoader.add_implicit_resolver(
 )
 
 
-def _yaml(text: str, where: str) -> Any:
+def _yaml(text: str, where: str, path: str = "") -> Any:
+    loader = _YamlLoader(text)  # a SafeLoader
     try:
-        return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, where, path)
+        return loader.construct_document(node)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{where}{line}: not valid YAML") from None
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicate_keys(node: yaml.Node, where: str, path: str = "") -> None:
+    """A key written twice in one mapping: refused, naming it and both places (YAML keeps
+    the last one without a word: `train: {steps: 6, ..., steps: 600}` would train 600).
+    Keys a merge (`<<: *base`) brings in may be overridden, as YAML intends."""
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, where, f"{path}{index}.")
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, yaml.Mark] = {}
+    for key, value in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        first = seen.setdefault(key.value, key.start_mark)
+        if first is not key.start_mark:
+            raise ConfigError(
+                f"{where}: {path}{key.value} is set twice ({_places(first, key.start_mark)}); "
+                "keep one"
+            )
+        _refuse_duplicate_keys(value, where, f"{path}{key.value}.")
+
+
+def _places(first: yaml.Mark, second: yaml.Mark) -> str:
+    if first.line == second.line:
+        return f"line {first.line + 1}, columns {first.column + 1} and {second.column + 1}"
+    return f"lines {first.line + 1} and {second.line + 1}"
+
+
+def _refuse_repeated_overrides(overrides: list[str]) -> None:
+    """Each field set by one override at most: a second one for the same field (or for a
+    section holding it) is refused naming both, where the last would win unsaid."""
+    given: dict[tuple[str, ...], str] = {}
+    for assignment in overrides:
+        key = tuple(assignment.partition("=")[0].split("."))
+        for earlier, text in given.items():
+            if key[: len(earlier)] == earlier or earlier[: len(key)] == key:
+                raise ConfigError(
+                    f"override {assignment!r} sets {'.'.join(key)} again after {text!r}; "
+                    "give each field once"
+                )
+        given[key] = assignment
 
 
 def _apply_override(tree: dict[str, Any], assignment: str) -> None:
@@ -366,7 +417,7 @@ def _apply_override(tree: dict[str, Any], assignment: str) -> None:
     parts = key.split(".")
     if not sep or not key or not all(p.strip() for p in parts):
         raise ConfigError(f"override {assignment!r} is not of the form section.field=value")
-    value = _yaml(raw, f"override {key}") if raw else ""
+    value = _yaml(raw, f"override {key}", f"{key}.") if raw else ""
     node = tree
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -425,6 +476,7 @@ def parse_run_config(tree: dict[str, Any], overrides: list[str] = ()) -> RunConf
     """Validated strictly: a boolean is no number and a number no boolean (true does not
     become 1), through JSON so that YAML lists still fill tuple fields."""
     tree = json.loads(json.dumps(tree, default=str))  # deep copy, plain JSON types
+    _refuse_repeated_overrides(list(overrides))
     for assignment in overrides:
         _apply_override(tree, assignment)
     try:

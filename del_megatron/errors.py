@@ -5,6 +5,8 @@ anything else is a bug of ours and keeps its traceback."""
 
 from __future__ import annotations
 
+INTERRUPTED = 130  # the exit status of a command stopped by Ctrl-C (the shell's 128 + SIGINT)
+
 
 class UserError(Exception):
     """A mistake the user can fix; the message is one line naming where."""

@@ -12,16 +12,16 @@ output directory (data-tools build, del-convert, del-eval --out) follows this on
     commit_output(staging, out, is_ours)      # or abandon_output(staging) on failure
 
 One writer at a time: `begin_output` takes the output's lock (`output_lock`, a file beside
-the output naming the holder's host and pid) and `commit_output` / `abandon_output` give it
-back, so a second command into the same output is refused in one line (or waits, `wait=True`)
-instead of sharing the first one's staging directory. Staging is named after its writer.
+the output naming its holder, del_megatron/locks.py) and `commit_output` / `abandon_output`
+give it back, so a second command into the same output is refused in one line (or waits,
+`wait=True`) instead of sharing the first one's staging directory. Staging is named after
+its writer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import shutil
 import socket
@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from . import locks
 from .errors import UserError
 
 Ours = Callable[[Path], bool]  # does this entry of the output directory belong to us?
@@ -124,7 +125,8 @@ def commit_output(staging: Path, final: Path, is_ours: Ours) -> Path | None:
     if clash:
         raise UserError(f"{final}: your file {clash[0]} has the name of an output file; rename it")
     aside = set_aside(final, is_ours)
-    new = sorted(staging.iterdir(), key=lambda p: p.name == "manifest.json")  # manifest last
+    # the list of the files last (a manifest, files.json): a reader who finds it finds them
+    new = sorted(staging.iterdir(), key=lambda p: p.name in ("manifest.json", "files.json"))
     for path in new:
         os.replace(path, final / path.name)
     staging.rmdir()
@@ -151,14 +153,11 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 # ---- one writer per output --------------------------------------------------------------
 #
-# Decision: a lock *file* made with an atomic hard link (write the holder's record to a
-# file of our own, then link it to the lock's name: link fails if the name exists), not
-# fcntl/flock. flock is not shared between the nodes of many network filesystems (NFS
-# without lockd, Lustre mounted without flock), so two nodes of a job array could both
-# "hold" it; link(2) is atomic on NFS and Lustre alike, and the file names its holder for
-# the message. The cost of a file: a holder killed by SIGKILL leaves it. On the holder's own
-# host a dead pid is detected and the lock taken over; from another host it cannot be, and
-# the message says which file to remove once that process is known to be gone.
+# The lock is del_megatron/locks.py's: a file beside the output naming its holder, renewed
+# while held, and taken over without a person once its holder is provably gone (a dead pid
+# on this host, an earlier run of the same SLURM job, a holder elsewhere that stopped
+# renewing it for longer than its lease), with one line naming it. A live holder's lock is
+# never taken over: a second writer is refused naming it, or waits for it.
 
 
 class OutputLocked(UserError):
@@ -170,97 +169,35 @@ def lock_of(final: Path) -> Path:
     return final.with_name(f".{final.name}.lock")
 
 
-def _holder() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "since": int(time.time())}
-
-
-def _read_holder(lock: Path) -> dict | None:
-    """The lock's holder record; None if the lock is gone. A record that cannot be read is
-    a foreign file, reported as an unknown holder (never taken over)."""
-    try:
-        return json.loads(lock.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {"host": "?", "pid": "?", "since": 0}
-
-
-def _alive_here(holder: dict) -> bool:
-    """Whether the holder may be alive: False only for a pid of this host that is gone."""
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return True
-    try:
-        os.kill(holder["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
-def _try_lock(lock: Path) -> dict | None:
-    """Take the lock (None) or return the live holder's record."""
-    mine = lock.with_name(f"{lock.name}.{socket.gethostname()}-{os.getpid()}")
-    mine.write_text(json.dumps(_holder()))
-    try:
-        while True:
-            try:
-                os.link(mine, lock)
-                return None
-            except FileExistsError:
-                pass
-            holder = _read_holder(lock)
-            if holder is None:
-                continue  # released between the two calls: try again
-            if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
-                return None  # ours already (del-eval holds --out, then writes through here)
-            if _alive_here(holder):
-                return holder
-            # a dead holder on this host: move its lock aside, then make sure what was
-            # moved is the dead one's (another taker may have replaced it meanwhile)
-            aside = lock.with_name(f"{lock.name}.stale-{os.getpid()}")
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(lock, aside)
-                if _read_holder(aside) != holder:
-                    with contextlib.suppress(FileExistsError):
-                        os.link(aside, lock)  # a live one's: back, unless taken again
-                aside.unlink()
-    finally:
-        mine.unlink()
-
-
 def acquire_output_lock(final: Path, *, wait: bool = False, poll_s: float = 0.5) -> None:
     """Hold `final`'s lock, or raise OutputLocked naming the holder (wait=True: wait for it,
     saying so once)."""
     lock = lock_of(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        holder = _try_lock(lock)
+        holder = locks.try_take(lock, str(final))
     except OSError as err:
         raise write_error(final, err) from None
     said = False
     while holder is not None:
-        where = f"host {holder.get('host')}, pid {holder.get('pid')}"
+        where = locks.describe(holder)
         if not wait:
             raise OutputLocked(
                 f"{final}: being written by another process ({where}); wait for it "
-                f"(--wait-for-lock) or choose another output; if that process is gone, "
-                f"remove {lock}"
+                f"(--wait-for-lock) or choose another output (its lock {lock} is taken over "
+                f"once that process is gone, or {locks.lease_s():.0f} s after it stopped "
+                f"renewing it: {locks.LEASE_ENV})"
             )
         if not said:
             print(f"{final}: waiting for the process writing it ({where})", file=sys.stderr)
             said = True
         time.sleep(poll_s)
-        holder = _try_lock(lock)
+        holder = locks.try_take(lock, str(final))
 
 
 def release_output_lock(final: Path) -> None:
     """Give `final`'s lock back if this process holds it (never another's)."""
-    lock = lock_of(final)
-    holder = _read_holder(lock)
-    if holder and holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
-        with contextlib.suppress(FileNotFoundError):
-            lock.unlink()
+    locks.release(lock_of(final))
 
 
 @contextlib.contextmanager
@@ -337,6 +274,24 @@ def agreed_output_lock(final: Path, *, leader: bool) -> Iterator[None]:
     finally:
         if leader:
             release_output_lock(final)
+
+
+def close_on_the_way_out(close: Callable[[], None], where: Path, *, failing: bool) -> None:
+    """Run `close` (what a run opened: wandb, log files) on its way out. When the run is
+    `failing` (an error is being raised), an error of `close` is dropped: the first error
+    says what is wrong, and a full disk fails every writer on it (wandb's log handler's
+    flush, for one), each adding a traceback of its own. Otherwise a write `close` cannot
+    make is the one line of an output that cannot be written (`write_error`)."""
+    try:
+        close()
+    except Exception as err:
+        if failing:
+            return
+        if isinstance(err, OSError):
+            raise write_error(where, err) from None
+        if is_no_space(err):
+            raise no_space(where) from None
+        raise
 
 
 def is_no_space(err: BaseException) -> bool:

@@ -36,10 +36,11 @@ def rank_environment() -> None:
         )
 
 
-def init_distributed(device: torch.device, timeout_minutes: int) -> tuple[int, int]:
-    """(rank, world size) after joining the process group (see `rank_environment`), whose
-    collectives wait `timeout_minutes` (parallel.collective_timeout_minutes); alone, one
-    process."""
+def init_distributed(device: torch.device, timeout_minutes: float) -> tuple[int, int]:
+    """(rank, world size) after joining the process group (see `rank_environment`;
+    del_megatron/rendezvous.py: the wait for the other ranks is said, stoppable, and ends
+    after the timeout), whose collectives wait `timeout_minutes`
+    (parallel.collective_timeout_minutes); alone, one process."""
     rank_environment()
     if "RANK" not in os.environ:
         with socket.socket() as s:
@@ -54,6 +55,15 @@ def init_distributed(device: torch.device, timeout_minutes: int) -> tuple[int, i
     if not dist.is_initialized():
         import deepspeed
 
+        from . import extension_builds, rendezvous
+
+        extension_builds.install()  # a build killed midway does not block this start
+        # every rank said and stoppable while it waits for the others; DeepSpeed's init
+        # below wraps the process group made here (device_id: as DeepSpeed binds it on GPU)
+        bound = {}
+        if device.type == "cuda" and os.environ["WORLD_SIZE"] != "1":
+            bound["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        rendezvous.join(process_group_backend(device), timedelta(minutes=timeout_minutes), **bound)
         with quiet_communication_setup(device):
             # one backend per run, and every tensor we reduce on the compute device
             # (del_megatron/collectives.py; docs/architecture.md "GPU path")

@@ -34,16 +34,18 @@ DOCS=${DOCS:-8000}
 say "setting up .venv (the first time: a few minutes)"
 bash launch/setup_env.sh
 bin=.venv/bin
+sources="data.sources=[{manifest: $RUN/shards/train/manifest.json}]"
+if [ -n "$gsm8k" ]; then
+  sources="data.sources=[{manifest: $RUN/shards/train/manifest.json, weight: 0.7}, {manifest: $RUN/shards/gsm8k/manifest.json, weight: 0.3}]"
+fi
+# each field once (del-train refuses a field set twice; the arguments must not repeat these)
 overrides=(
   "data.tokenizer=$RUN/tokenizer.model"
-  "data.sources=[{manifest: $RUN/shards/train/manifest.json}]"
+  "$sources"
   "eval.sources=[{manifest: $RUN/shards/heldout/manifest.json}]"
   "output_dir=$RUN"
+  "$@"
 )
-if [ -n "$gsm8k" ]; then
-  overrides+=("data.sources=[{manifest: $RUN/shards/train/manifest.json, weight: 0.7}, {manifest: $RUN/shards/gsm8k/manifest.json, weight: 0.3}]")
-fi
-overrides+=("$@")
 # The config and the overrides alone (no data needed yet): a typo is one line and status 2
 # now, not after the data. --deepspeed-json is the del-train path that reads nothing else.
 $bin/del-train --config configs/tiny_cpu.yaml --deepspeed-json 2 "${overrides[@]}" >/dev/null

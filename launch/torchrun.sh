@@ -9,8 +9,9 @@
 # is refused in one line. --resume auto continues it with the changes docs/checkpoints.md
 # allows (each said in one line); --resume DIR from that checkpoint.
 # SIGTERM or SIGUSR1 to this script (`docker stop` sends SIGTERM to it as the container's
-# first process) goes straight to every rank: they agree, save a checkpoint and exit, and
-# this script exits 75 ("stopped, run me again"). The ranks are signalled directly because
+# first process), or a Ctrl-C, goes straight to every rank: they agree, save a checkpoint
+# and exit, and this script exits 75 ("stopped, run me again"); a second Ctrl-C ends every
+# rank at once. The ranks are signalled directly because
 # torchrun dies on SIGUSR1 unless told otherwise, and kills its ranks 30 s after a SIGTERM,
 # which can cut a checkpoint short (DEL_SHUTDOWN_TIMEOUT raises that, default 900 s, where
 # the installed torchrun allows it).
@@ -33,7 +34,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry_run=1; shift ;;
     --resume) resume=${2:?--resume needs a value}; shift 2 ;;
     --resume=*) resume=${1#*=}; shift ;;
-    -h | --help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "torchrun.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -93,19 +94,30 @@ user_errors=$(mktemp -d "${TMPDIR:-/tmp}/del-train-errors.XXXXXX")
 trap 'rm -rf "$user_errors"' EXIT
 export DEL_USER_ERROR_DIR=$user_errors
 echo "torchrun.sh: starting $nproc rank(s)" >&2
-"${command[@]}" &
+# torchrun and the ranks in a session of their own, so that a Ctrl-C in the terminal reaches
+# this script alone, which passes it on once (torchrun would turn it into a SIGTERM and a
+# traceback of its own, and the ranks would take the forwarded copy for a second Ctrl-C)
+session=()
+if command -v setsid >/dev/null; then session=(setsid); fi
+"${session[@]}" "${command[@]}" &
 launcher_pid=$!
 stop_signal=""
 interrupted=0
 # shellcheck disable=SC2329 # called by the traps below
 forward() {
-  stop_signal=$1
   interrupted=1
-  echo "torchrun.sh: SIG$1: every rank saves a checkpoint and stops" >&2
+  if [ "$1" = INT ] && [ "$stop_signal" = INT ]; then
+    echo "torchrun.sh: SIGINT again: every rank exits at once (the last checkpoint is kept)" >&2
+  else
+    echo "torchrun.sh: SIG$1: every rank saves a checkpoint and stops" >&2
+  fi
+  stop_signal=$1
   pkill "-$1" -P "$launcher_pid" || true # the ranks are torchrun's children
 }
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
+trap 'forward TERM' HUP # the terminal closed: a stop, as TERM
+if [ ${#session[@]} -gt 0 ]; then trap 'forward INT' INT; fi # else the ranks get it too
 while :; do
   interrupted=0
   status=0

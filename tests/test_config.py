@@ -120,6 +120,33 @@ def test_mistake_gives_one_line_and_exit_2(valid, capsys, monkeypatch, overrides
     assert expected in err, err
 
 
+def test_a_key_written_twice_is_refused_naming_it_and_both_places(tmp_path, capsys, valid):
+    """Issue 37: `train: {steps: 6, ..., steps: 600}` trained 600 steps, the dry run showed
+    600, nothing said (YAML keeps the last); overrides setting one field twice did the same."""
+    text = valid.read_text()
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(text.replace("train:\n", "train: {steps: 6, seq_len: 128, steps: 600}\nx:\n"))
+    code, _, err = run(capsys, "--config", str(flow), "--dry-run")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{flow}: train.steps is set twice (line " in err and ", columns " in err, err
+    block = tmp_path / "block.yaml"
+    lines = text.splitlines()
+    at = lines.index("train:") + 1  # the line after it, 0-based
+    steps = lines.index("  steps: 300", at)
+    block.write_text("\n".join([*lines[:at], "  steps: 600", *lines[at:]]) + "\n")
+    code, _, err = run(capsys, "--config", str(block), "--dry-run")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"train.steps is set twice (lines {at + 1} and {steps + 2}); keep one" in err, err
+    twice = ["train.steps=6", "train.steps=60"]
+    code, _, err = run(capsys, "--config", str(valid), "--dry-run", *twice)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "override 'train.steps=60' sets train.steps again after 'train.steps=6'" in err
+    code, _, err = run(
+        capsys, "--config", str(valid), "--dry-run", "eval.sources=[{manifest: a, manifest: b}]"
+    )
+    assert code == 2 and "eval.sources.0.manifest is set twice" in err, err
+
+
 def test_file_mistakes(
     tmp_path, capsys, valid, spm_merged_digits, spm_split_digits, synth_corpus, monkeypatch
 ):

@@ -29,3 +29,21 @@ def test_del_eval_out_sets_the_previous_results_aside(tmp_path, capsys):
         "results.json",
         "results.md",
     ]
+
+
+def test_closing_on_the_way_out_of_an_error_adds_no_error(tmp_path):
+    """The way out writes to the full disk (issue 37): wandb's log handler's flush on the
+    disk that had just failed a checkpoint raised while that error was handled (6 chained
+    tracebacks instead of its one line). While an error is raised, a failure to close is
+    dropped; otherwise a write that cannot be made is the one line of a full disk."""
+    import pytest
+
+    from del_megatron.errors import UserError
+    from del_megatron.outputs import close_on_the_way_out
+
+    def close():
+        raise OSError(28, "No space left on device")
+
+    close_on_the_way_out(close, tmp_path, failing=True)
+    with pytest.raises(UserError, match=f"{tmp_path}: no space left on the device"):
+        close_on_the_way_out(close, tmp_path, failing=False)

@@ -33,3 +33,13 @@ def assert_close(
             f"{what}: worst at {[int(i) for i in idx]}: {actual[idx].item():.17g} vs "
             f"{expected[idx].item():.17g} (|diff| {diff[idx].item():.3g} > {bound[idx].item():.3g})"
         )
+
+
+def each_once(*assignments: str) -> list[str]:
+    """section.field=value overrides with each field given once, the last value winning in
+    the place of the first: del-train refuses a field set twice, and a test's helper adds
+    its case's values to a base list."""
+    merged: dict[str, str] = {}
+    for assignment in assignments:
+        merged[assignment.partition("=")[0]] = assignment
+    return list(merged.values())

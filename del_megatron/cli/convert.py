@@ -17,7 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..errors import UserError
+from ..caches import use_writable_caches
+from ..errors import INTERRUPTED, UserError
 from ..models.conversion import export_hf, hf_to_megatron, open_hf
 from ..models.hf_config import ConversionError
 from ..models.weight_files import DTYPES
@@ -95,10 +96,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     args = parser.parse_args(argv)
     try:
+        use_writable_caches("del-convert")
         print(args.func(args))
     except UserError as err:
         print(f"del-convert {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the output is written whole or not at all: left as it was
+        print(
+            f"del-convert {args.command}: interrupted (Ctrl-C): --out left as it was",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
     except Exception as err:
         if is_no_space(err):  # safetensors and torch wrap it in their own errors
             print(f"del-convert {args.command}: error: {no_space(args.out)}", file=sys.stderr)

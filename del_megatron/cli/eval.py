@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import UserError
+from ..caches import use_writable_caches
+from ..errors import INTERRUPTED, UserError
 from ..evaluation.generation import DEFAULT_TEMPLATE, GenerationSettings
 from ..evaluation.harness import LmEvalSettings
 from ..evaluation.heldout import DEFAULT_WINDOW, HeldoutSettings
@@ -238,12 +239,16 @@ def compare_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        use_writable_caches("del-eval")
         if argv[:1] == ["compare"]:
             return compare_main(argv[1:])
         return evaluate_main(argv)
     except UserError as err:
         print(f"del-eval: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # --out is written whole at the end: nothing of it yet
+        print("del-eval: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """del-train --config FILE [section.field=value ...] [--dry-run | --check]
 
 Run under torchrun or SLURM for several processes; alone it runs one. Exit status: 0 done,
-2 a mistake the user can fix (one line), 75 stopped on request (SIGTERM / SIGUSR1 on any
-rank: every rank saved the checkpoint; run again with --resume auto to continue).
+2 a mistake the user can fix (one line), 75 stopped on request (SIGTERM / SIGUSR1 / Ctrl-C
+on any rank: every rank saved the checkpoint; the same command continues), 130 a second
+Ctrl-C (at once; the last complete checkpoint is kept).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..caches import use_writable_caches
 from ..config import dump_run_config, load_run_config
-from ..errors import UserError
+from ..errors import INTERRUPTED, UserError
 from ..losses import Objective
+from ..rendezvous import StoppedWhileWaiting
 from .arguments import positive_float, positive_int
 
 # "Stopped on request, checkpoint saved: run me again" (sysexits.h EX_TEMPFAIL, "try again
@@ -110,6 +113,58 @@ def _node_leader() -> bool:
 USER_ERROR_DIR = "DEL_USER_ERROR_DIR"
 
 
+def say_error(line: str) -> None:
+    """A rank's one line for the mistake it stops on. Our launchers collect each rank's
+    (DEL_USER_ERROR_DIR): there the first rank of each node prints it. Otherwise (plain
+    srun, torchrun, another launcher) every rank says it on its own stderr, once a node for
+    a line several of its ranks share."""
+    if os.environ.get(USER_ERROR_DIR):
+        if _node_leader():
+            print(line, file=sys.stderr)
+        leave_user_error(line)
+    elif not _said_on_this_node(line):
+        print(line, file=sys.stderr)
+
+
+def _job_key() -> str | None:
+    """The job this process is a rank of, on this node (None: no launcher to tell): its
+    SLURM step or torchrun launch, and the process that started this node's ranks of it
+    (slurmstepd, torchrun's agent), so that no other run ever shares the key."""
+    env = os.environ
+    if "SLURM_JOB_ID" in env:
+        parts = [env["SLURM_JOB_ID"], env.get("SLURM_STEP_ID", ""), env.get("SLURM_RESTART_COUNT")]
+    elif "TORCHELASTIC_RUN_ID" in env:
+        parts = [env["TORCHELASTIC_RUN_ID"], env.get("TORCHELASTIC_RESTART_COUNT")]
+    else:
+        return None
+    parts.append(str(os.getppid()))
+    return "-".join("".join(c if c.isalnum() else "_" for c in str(p or "")) for p in parts)
+
+
+def _said_on_this_node(line: str) -> bool:
+    """Whether another rank of this job on this node said `line` already (a small file per
+    job in the node's temporary directory lists the lines said, by hash)."""
+    import fcntl
+    import hashlib
+    import tempfile
+
+    job = _job_key()
+    if job is None:
+        return False
+    digest = hashlib.sha256(line.encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"del-train-said-{os.getuid()}-{job}")
+    try:
+        with open(path, "a+", encoding="ascii") as said:
+            fcntl.flock(said, fcntl.LOCK_EX)
+            said.seek(0)
+            if digest in said.read().split():
+                return True
+            said.write(digest + "\n")
+    except OSError:
+        return False
+    return False
+
+
 def leave_user_error(message: str) -> None:
     directory = os.environ.get(USER_ERROR_DIR)
     if not directory:
@@ -152,10 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--resume",
-        default="none",
-        help="'auto' (the newest complete checkpoint in output_dir, if any, with the changes "
-        "docs/checkpoints.md allows), 'same' (as auto, for a run of the same config only: "
-        "the launchers' default), a checkpoint directory, or 'none' (the default)",
+        default="same",
+        help="'same' (the default: the newest complete checkpoint in output_dir, if any, for "
+        "a run of the same config only, so the same command continues a stopped run), 'auto' "
+        "(as same, with the changes docs/checkpoints.md allows), a checkpoint directory, or "
+        "'none' (a fresh start; refused where checkpoints are)",
     )
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args(argv)
@@ -163,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     # record it cannot write: the run's own one line says what is wrong
     logging.raiseExceptions = False
     try:
+        use_writable_caches("del-train")
         cfg = load_run_config(args.config, args.overrides)
         if args.deepspeed_json is not None:
             from ..config import deepspeed_config
@@ -217,17 +274,21 @@ def main(argv: list[str] | None = None) -> int:
         progress.building(cfg, world)
         result = train(cfg, resume=args.resume)
     except UserError as err:
-        if _node_leader():
-            print(f"del-train: error: {err}", file=sys.stderr)  # once a node, not once a rank
-        leave_user_error(f"del-train: error: {err}")
+        say_error(f"del-train: error: {err}")
         return 2
+    except StoppedWhileWaiting as stop:  # its one line, on the rank that waited
+        print(f"del-train: {stop}", file=sys.stderr)
+        return EXIT_STOPPED
+    except KeyboardInterrupt:  # before the run's own handlers, or after them: no traceback
+        print("del-train: interrupted (Ctrl-C), outside the training loop", file=sys.stderr)
+        return INTERRUPTED
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         if result.eval_after is not None:
             print(final_table(result.eval_before, result.eval_after, objective_name(cfg.loss)))
         if result.checkpoint:
-            stopped = "stopped on request (resume with --resume auto); " if result.stopped else ""
+            stopped = "stopped on request (the same command continues); " if result.stopped else ""
             print(f"{stopped}checkpoint: {result.checkpoint}", flush=True)
             if not result.stopped:
                 print(next_steps(cfg, result.checkpoint), flush=True)

@@ -45,8 +45,12 @@ def max_positions(path: Path) -> int:
 
 
 def model_kind(path: Path) -> str:
+    from ..inputs import being_written, check_whole, missing
+
     if not path.exists():
-        raise UserError(f"{path}: does not exist{_steps_beside(path)}")
+        raise missing(path)
+    if being_written(path) or (path / "meta.json").is_file():  # a training checkpoint's
+        check_whole(path)
     if (path / WEIGHTS / "arch.json").is_file():
         return "checkpoint"
     if (path / "config.json").is_file():
@@ -55,17 +59,6 @@ def model_kind(path: Path) -> str:
         f"{path}: neither a del-megatron checkpoint (model/arch.json) nor a Hugging Face "
         "model directory (config.json)"
     )
-
-
-def _steps_beside(path: Path) -> str:
-    """The checkpoints that do exist where `path` was looked for ('' when there are none)."""
-    from ..training.checkpoint import complete_checkpoints
-
-    steps = [p.name for p in complete_checkpoints(path.parent)]
-    if not steps:
-        return ""
-    shown = ", ".join(steps if len(steps) <= 6 else [*steps[:2], "...", *steps[-3:]])
-    return f" ({path.parent} holds {shown})"
 
 
 def check_vocabulary(model_rows: int, tokenizer: Tokenizer, where: str) -> None:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from ..checksums import INDEX, hash_file
+from ..inputs import check_whole, files_list, require_directory
 from ..outputs import Ours, abandon_output, begin_output, commit_output
 from .architecture import LlamaArchitecture
 from .hf_config import ConversionError
@@ -71,6 +73,7 @@ class HFCheckpoint:
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
+        require_directory(self.directory)
         config_path = self.directory / "config.json"
         if not config_path.is_file():
             raise ConversionError(f"{config_path}: no such file (not a Hugging Face checkpoint)")
@@ -99,6 +102,9 @@ class MegatronWeights:
     """A del-megatron weights directory (<dir>/model/), read a tensor at a time."""
 
     def __init__(self, directory: str | Path) -> None:
+        # whole or refused, before a byte is read: not a checkpoint still being written, its
+        # files list there, every listed file at its size (del_megatron/inputs.py)
+        check_whole(Path(directory))
         self.root = Path(directory) / WEIGHTS
         arch_path = self.root / "arch.json"
         if not arch_path.is_file():
@@ -142,7 +148,11 @@ class MegatronWeights:
         del-eval); a weights directory without the index is taken as it is."""
         from ..checksums import verify_listed
 
-        problem = verify_listed(self.root.parent, [f"{WEIGHTS}/{p.name}" for p in self.paths])
+        listed = files_list(self.root.parent)
+        if listed is None:  # refused when opened; a directory changed since
+            raise ConversionError(f"{self.root.parent}: no files list (files.json)")
+        prefix = f"{WEIGHTS}/" if listed == self.root.parent else ""
+        problem = verify_listed(listed, [f"{prefix}{p.name}" for p in self.paths])
         if problem:
             raise ConversionError(problem)
 
@@ -191,7 +201,9 @@ def tokenizer_in(directory: str | Path) -> Path | None:
 
 # What a weights directory (model/) and a Hugging Face export hold: the only files these
 # writers replace; anything else there is the user's (del_megatron.outputs).
-WEIGHTS_FILES = re.compile(r"tp\d{2}\.safetensors|arch\.json|tokenizer\.json|[^/]+\.model")
+WEIGHTS_FILES = re.compile(
+    r"tp\d{2}\.safetensors|arch\.json|tokenizer\.json|[^/]+\.model|files\.json"
+)
 HF_FILES = re.compile(
     r"config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors"
     r"|model\.safetensors\.index\.json|tokenizer(_config)?\.json|special_tokens_map\.json"
@@ -238,10 +250,23 @@ def write_weights(
         for rank, shard in enumerate(shards):
             write_rank_weights(staging, rank, shard)
         write_weights_record(staging, arch, tokenizer)
+        write_files_list(staging)
         commit_output(staging, final, is_ours)
     except BaseException:
         abandon_output(staging)
         raise
+
+
+def write_files_list(directory: Path) -> None:
+    """directory/files.json: every file's size and SHA-256 (del_megatron/checksums.py), the
+    list a reader checks the directory whole against (del_megatron/inputs.py)."""
+    from ..checksums import FORMAT
+
+    files = {
+        p.name: hash_file(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != INDEX
+    }
+    index = {"format": FORMAT, "files": files}
+    (directory / INDEX).write_text(json.dumps(index, indent=1))
 
 
 class HFWriter:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import collectives
+from .. import collectives, inputs
 from ..config import ConfigError, dump_run_config
 from ..data import DataError, StreamingLoader
 from ..data.state import SavedState, rank_record, read_saved, saved_file
@@ -32,7 +32,7 @@ from . import checkpoint_files, checkpoint_writer, layout_free
 from . import schedule as schedule_file
 
 PREFIX = "step-"
-TMP_PREFIX = ".tmp-"
+TMP_PREFIX = inputs.BEING_WRITTEN  # what readers refuse (del_megatron/inputs.py)
 DEEPSPEED_TAG = checkpoint_files.DEEPSPEED_TAG  # the directory of DeepSpeed's own files
 
 
@@ -185,14 +185,14 @@ def publish(run: Any, pending: PendingSave, *, run_ends: bool = False) -> Path:
         if failure is not None and not _is_io_failure(failure):
             raise failure
         raise CheckpointError(problems[0])
-    checkpoint_files.write_index(pending.tmp, entries, run.rank, run.world)  # gathers
-    if run.is_main:
-        try:
+    try:  # its gathers come first, then rank 0 writes files.json: a full disk meets that
+        checkpoint_files.write_index(pending.tmp, entries, run.rank, run.world)
+        if run.is_main:
             _rename_and_prune(pending, background=pending.background and not run_ends)
-        except Exception as err:
-            if not _is_io_failure(err):
-                raise
-            problem = _write_problem(err, pending)
+    except Exception as err:
+        if not _is_io_failure(err):
+            raise
+        problem = _write_problem(err, pending)
     problems = [p for p in collectives.all_gather_object(problem) if p]  # also a barrier
     if problems:
         raise CheckpointError(problems[0])
@@ -230,15 +230,28 @@ def _is_io_failure(err: BaseException) -> bool:
         text = str(err)
         if type(err).__name__ == "SafetensorError" or "cannot be opened" in text:
             return True
-        if "PytorchStreamWriter failed" in text:
+        if any(sign in text for sign in TORCH_WRITE_FAILURES):
             return True
         err = err.__cause__ or err.__context__
     return False
 
 
+# What torch.save's C++ writer raises (a RuntimeError, its errno lost) when a write fails:
+# on a full disk, one of these, depending on where in the file it was
+TORCH_WRITE_FAILURES = (
+    "PytorchStreamWriter failed",
+    "basic_ios::clear: iostream error",
+    "unexpected pos",
+)
+
+
 def _write_problem(err: BaseException, pending: PendingSave) -> str:
-    if is_no_space(err):
-        return str(no_space(pending.final.parent, pending.needed))
+    """The one line of a failed write: a full disk's (said by the error, or, where a
+    library lost the errno, by the disk having less room than the checkpoint needs), else
+    the error's."""
+    root = pending.final.parent
+    if is_no_space(err) or free_bytes(root) + being_freed(root) < pending.needed:
+        return str(no_space(root, pending.needed))
     return f"{pending.tmp}: writing the checkpoint failed ({one_line(str(err))[:300]})"
 
 
@@ -450,27 +463,37 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+    """Complete checkpoints under `root` (a final name, meta.json and files.json, which the
+    save writes last), oldest first."""
     if not root.is_dir():
         return []
     return sorted(
         p
         for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(PREFIX) and (p / "meta.json").is_file()
+        if p.is_dir()
+        and p.name.startswith(PREFIX)
+        and (p / "meta.json").is_file()
+        and (p / checkpoint_files.INDEX).is_file()
     )
 
 
 def resolve(resume: str, output_dir: str) -> Path | None:
     """'none' -> None; 'auto' and 'same' -> the newest complete checkpoint (None if there is
-    none); anything else is a checkpoint directory that must exist."""
+    none); anything else is a checkpoint directory that must exist and be whole
+    (del_megatron/inputs.py: not one being written, its files list, every file at its
+    size)."""
     if resume == "none":
         return None
     if resume in ("auto", "same"):  # same: auto, for the same config (resume_changes.py)
         found = complete_checkpoints(root_of(output_dir))
         return found[-1] if found else None
     path = Path(resume)
+    try:
+        inputs.check_whole(path, "--resume")
+    except UserError as err:
+        raise ConfigError(str(err)) from None
     if not (path / "meta.json").is_file():
-        raise ConfigError(f"--resume {resume}: not a complete checkpoint directory (no meta.json)")
+        raise ConfigError(f"--resume {resume}: not a checkpoint directory (no meta.json)")
     return path
 
 

@@ -15,8 +15,9 @@ contents when a checkpoint is loaded.
   of the files, the ranks agree on the outcome, and a file whose bytes differ from the index
   is refused on every rank, naming it.
 
-A checkpoint saved before the index existed has no `files.json`: its files are checked by
-name and header, and its contents are not verified.
+A directory without `files.json` (a save still being written or killed, a copy cut short,
+or one saved before the index existed) is not a complete checkpoint: every reader refuses
+it (del_megatron/inputs.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..checksums import (
     read_index,
     verify_listed,
 )
+from ..inputs import check_whole
 
 DEEPSPEED_TAG = "state"  # the directory (DeepSpeed's "tag") of DeepSpeed's own files
 
@@ -147,19 +149,10 @@ def _check_header(path: Path, size: int) -> None:
 
 
 def check_files(checkpoint: Path, needed: list[str]) -> None:
-    """Every file of the index at its recorded size, and every file in `needed` (what the
-    load reads) present with a whole header; contents are not read."""
-    index = read_index(checkpoint) or {}
-    for name, entry in index.items():
-        path = checkpoint / name
-        if not path.is_file():
-            raise CheckpointFileError(f"{path}: missing (listed in {checkpoint / INDEX})")
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointFileError(
-                f"{path}: unreadable ({size} bytes, {INDEX} says {entry['bytes']}: cut short "
-                "or replaced?)"
-            )
+    """The checkpoint whole (del_megatron/inputs.py: its files list, every file of it at its
+    recorded size), and every file in `needed` (what the load reads) present with a whole
+    header; contents are not read."""
+    check_whole(checkpoint)
     for name in needed:
         path = _present(checkpoint, name)
         _check_header(path, path.stat().st_size)

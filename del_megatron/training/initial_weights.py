@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, RunConfig
+from ..inputs import missing
 from ..models.architecture import LlamaArchitecture
 from ..models.conversion import open_hf
 from ..models.hf_config import ConversionError
@@ -29,7 +30,7 @@ def open_initial_weights(cfg: RunConfig) -> Initial | None:
         if cfg.init.hf and cfg.init.hf_hub_id:
             # `hf`: the command huggingface_hub 2.x installs (its older name is gone)
             hint = f"; download it: hf download {cfg.init.hf_hub_id} --local-dir {where}"
-        raise ConfigError(f"{field}: {where} does not exist{hint}")
+        raise ConfigError(f"{missing(Path(where), field)}{hint}")
     try:
         if cfg.init.hf:
             source, arch = open_hf(where, divisible_by=cfg.model.make_vocab_size_divisible_by)

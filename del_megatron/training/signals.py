@@ -10,27 +10,48 @@ checkpoint writer is still writing, so a step has one host synchronisation in al
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .. import collectives
+from ..errors import INTERRUPTED
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopRequest:
-    """Installs handlers for SIGTERM and SIGUSR1 until `restore()`. A second signal while
-    the checkpoint is written changes nothing."""
+    """Installs handlers for SIGTERM, SIGUSR1 and SIGINT (Ctrl-C: a stop like SIGTERM) until
+    `restore()`. A second SIGTERM or SIGUSR1 while the checkpoint is written changes
+    nothing; a second Ctrl-C exits at once, in one line and without a traceback (the
+    checkpoint being written, if any, is left unpublished: the last complete one is kept)."""
 
     def __init__(self) -> None:
         self.received: int | None = None  # the first signal this rank got
+        self._pid = os.getpid()
         self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def _handle(self, signum, frame) -> None:
-        if self.received is None:
+        if os.getpid() != self._pid:  # a forked data worker (a terminal signals them too):
+            return  # the rank decides, the worker ends with it
+        # os.write, not print: a handler runs between any two bytecodes, print among them
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            _say("interrupted again: exiting now (the last complete checkpoint is kept)")
+            for stream in (sys.stdout, sys.stderr):  # what the run printed before, if it can
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(INTERRUPTED)
+        if signum == signal.SIGINT:
+            _say(
+                "interrupted (Ctrl-C): stopping after this step with a checkpoint, then the "
+                "same command continues; Ctrl-C again to exit at once"
+            )
+        if self.received is None or signum == signal.SIGINT:
             self.received = signum
 
     def restore(self) -> None:
@@ -42,6 +63,12 @@ class StopRequest:
 
     def __exit__(self, *exc) -> None:
         self.restore()
+
+
+def _say(line: str) -> None:
+    """One line on stderr from the first rank (every rank of a terminal's job gets Ctrl-C)."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        os.write(2, f"del-train: {line}\n".encode())
 
 
 class Agreement(NamedTuple):

@@ -8,6 +8,7 @@ the engine, so there is no pipeline parallelism.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from ..models.device import (
     resolve_device,
     select_accelerator,
 )
-from ..outputs import agreed_output_lock
+from ..outputs import agreed_output_lock, close_on_the_way_out
 from . import progress
 from .initial_weights import initialize_weights, open_initial_weights
 from .metrics import PairSum, Reporter, StepMetrics, means
@@ -443,5 +444,6 @@ def train(
             if result.eval_after is not None:
                 reporter.log({f"eval/{k}": v for k, v in result.eval_after.items()}, last)
             return result
-        finally:
-            reporter.close()
+        finally:  # a failing run's closing adds no error of its own (a full disk: issue 37)
+            failing = sys.exc_info()[1] is not None
+            close_on_the_way_out(reporter.close, Path(cfg.output_dir), failing=failing)

@@ -19,6 +19,7 @@ import yaml
 from del_megatron.cli.train import EXIT_STOPPED
 
 from ..distributed.launcher import ROOT, torchrun_env
+from ..utils import each_once
 
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
 VENV_BIN = str(Path(sys.executable).parent)
@@ -200,14 +201,16 @@ def test_launchers_continue_only_a_run_of_the_same_config(tmp_path, synth_tokeni
     )
     proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", *run)  # a restart
     assert proc.returncode == 0 and '"resume_step": 4' in proc.stdout, proc.stderr
-    proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", *run, other)
+    proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", *each_once(*run, other))
     assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == refused, proc.stderr
-    proc = torchrun_sh("--dry-run", "--nproc-per-node", "2", "--resume", "auto", *run, other)
+    proc = torchrun_sh(
+        "--dry-run", "--nproc-per-node", "2", "--resume", "auto", *each_once(*run, other)
+    )
     assert proc.returncode == 0 and "# resume: data.sources " in proc.stdout, proc.stderr
     assert "--resume auto" in proc.stdout.split("# command: ", 1)[1]
-    proc = sbatch_dry_run(tmp_path, *run, other, WORLD_SIZE="2")
+    proc = sbatch_dry_run(tmp_path, *each_once(*run, other), WORLD_SIZE="2")
     assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == refused, proc.stderr
-    proc = sbatch_dry_run(tmp_path, "--resume", "auto", *run, other, WORLD_SIZE="2")
+    proc = sbatch_dry_run(tmp_path, "--resume", "auto", *each_once(*run, other), WORLD_SIZE="2")
     assert proc.returncode == 0 and "# resume: data.sources " in proc.stdout, proc.stderr
 
 
@@ -247,6 +250,71 @@ def test_torchrun_sh_ends_with_a_ranks_mistake_and_status_2(tmp_path):
     last = proc.stderr.splitlines()[-1]
     assert last == "del-train: error: data.sources: shard-00003.tar: damaged at byte 7"
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("del-train-errors.*/rank-1"))
+
+
+STAND_IN = """#!{python}
+# plays del-train's checks, and torchrun with one rank; both log each SIGINT they get (the
+# rank: the first is a stop, it goes on as a rank writing its checkpoint; the second ends it)
+import os, signal, subprocess, sys, time
+
+def log(line):
+    with open(os.environ["LOG"], "a") as f:
+        f.write(line + "\\n")
+
+if "--help" in sys.argv or "--check" in sys.argv:
+    sys.exit(0)
+if "--rank" in sys.argv:
+    got = []
+    def stop(signum, frame):
+        got.append(signum)
+        log(f"rank got SIGINT {{len(got)}}")
+        if len(got) == 2:
+            sys.exit(130)
+    signal.signal(signal.SIGINT, stop)
+    log("ready")
+    while True:
+        time.sleep(0.05)
+signal.signal(signal.SIGINT, lambda signum, frame: log("torchrun got SIGINT"))
+rank = subprocess.Popen([sys.executable, __file__, "--rank"])
+while rank.poll() is None:
+    time.sleep(0.05)
+sys.exit(rank.returncode)
+"""
+
+
+def test_torchrun_sh_passes_each_ctrl_c_to_the_ranks_once(tmp_path):
+    """The terminal (issue 37): a Ctrl-C (SIGINT to the script's process group, as a terminal
+    sends it) reaches each rank once, through the script, and torchrun not at all; a second
+    ends the ranks. Before: torchrun got it from the terminal too (it turns it into SIGTERMs
+    of its own and a traceback), and the script did not pass it on. A stand-in interpreter
+    plays del-train and torchrun, so no ranks start."""
+    python, log = tmp_path / "python", tmp_path / "signals"
+    python.write_text(STAND_IN.format(python=sys.executable))
+    python.chmod(0o755)
+    proc = subprocess.Popen(
+        ["bash", "launch/torchrun.sh", "--nproc-per-node", "1", "configs/tiny_cpu.yaml"],
+        cwd=ROOT,
+        env={**torchrun_env(), "DEL_PYTHON": str(python), "LOG": str(log)},
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the terminal's foreground job: its own process group
+    )
+
+    def logged(line: str) -> None:
+        deadline = time.time() + 60
+        while not (log.is_file() and line in log.read_text()):
+            assert time.time() < deadline and proc.poll() is None, proc.stderr
+            time.sleep(0.05)
+
+    logged("ready")
+    os.killpg(proc.pid, signal.SIGINT)
+    logged("rank got SIGINT 1")
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert log.read_text().splitlines() == ["ready", "rank got SIGINT 1", "rank got SIGINT 2"]
+    assert "torchrun.sh: SIGINT: every rank saves a checkpoint and stops" in stderr
+    assert "torchrun.sh: SIGINT again: every rank exits at once" in stderr
+    assert proc.returncode == EXIT_STOPPED, stderr  # the last checkpoint: the same command
 
 
 @pytest.mark.slow

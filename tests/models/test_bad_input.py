@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from del_megatron.cli.convert import main as convert
+from del_megatron.models.weight_files import write_files_list
 
 from .tiny_hf import tiny_hf_model
 
@@ -111,6 +112,7 @@ def test_a_failed_export_leaves_the_previous_one(weights, capsys):
     before = snapshot(out)
     shard = weights / "m" / "model" / "tp03.safetensors"
     shard.write_bytes(shard.read_bytes()[:200])
+    write_files_list(shard.parent)  # listed as it is: the export starts, then meets it
     code, err = run(capsys, "megatron-to-hf", "--checkpoint", weights / "m", "--out", out)
     assert code == 2
     one_line(err, "tp03.safetensors: not a readable safetensors file")
@@ -120,10 +122,12 @@ def test_a_failed_export_leaves_the_previous_one(weights, capsys):
 
 def break_weights(case: str, root: Path) -> None:
     model = root / "m" / "model"
-    if case == "gap in the shards":
+    if case in ("gap in the shards", "a listed shard missing"):
         (model / "tp01.safetensors").unlink()
     elif case == "arch.json garbage":
         (model / "arch.json").write_text("[1, 2")
+    if case in ("gap in the shards", "arch.json garbage"):  # listed as they are now: the
+        write_files_list(model)  # check that reads them sees them
     elif case == "model dir holds a user file":
         (model / "notes.txt").write_text("mine")
     elif case == "hf config not JSON":
@@ -142,6 +146,11 @@ CASES = [
         "gap in the shards",
         ["megatron-to-hf", "--checkpoint", "{m}", "--out", "{tmp}/x"],
         "are not tp00 to tp02",
+    ),
+    (
+        "a listed shard missing",
+        ["megatron-to-hf", "--checkpoint", "{m}", "--out", "{tmp}/x"],
+        "model/tp01.safetensors: missing (listed in",
     ),
     (
         "arch.json garbage",
@@ -176,12 +185,12 @@ CASES = [
     (
         "no checkpoint",
         ["megatron-to-hf", "--checkpoint", "{tmp}/nope", "--out", "{tmp}/x"],
-        "arch.json: no such file",
+        "nope: does not exist",  # was "model/arch.json: no such file"
     ),
     (
         "no hf checkpoint",
         ["hf-to-megatron", "--hf", "{tmp}/nope", "--out", "{tmp}/y"],
-        "config.json: no such file",
+        "nope: does not exist",
     ),
     (
         "tp zero",

@@ -59,6 +59,9 @@ def fake_checkpoint(out: Path, tree: dict, fingerprint: str, *, world: int = 2) 
     (path / "data_state.json").write_text(json.dumps([{}] * world))
     for rank in range(world):
         torch.save({"torch": torch.get_rng_state()}, path / "rng" / f"rank{rank:05d}.pt")
+    # a files list naming none of its files: complete by the list, and any file may be
+    # damaged below for the check that reads it (del_megatron/inputs.py checks the list)
+    (path / "files.json").write_text(json.dumps({"format": 1, "files": {}}))
     return path
 
 
@@ -134,8 +137,19 @@ def damage(case: str, tmp: Path, shards: Path, fingerprint: str, tree: dict) -> 
         elif case == "checkpoint of another tokenizer":
             meta = json.loads((path / "meta.json").read_text())
             (path / "meta.json").write_text(json.dumps({**meta, "tokenizer": "vocab-other"}))
-        if case != "checkpoint over a fresh start":
-            return ["--resume", str(path)]
+        elif case == "checkpoint without its files list":
+            (path / "files.json").unlink()
+        elif case == "checkpoint with a listed file of another size":
+            listed = {"bytes": path.joinpath("meta.json").stat().st_size + 1, "sha256": "0"}
+            index = {"format": 1, "files": {"meta.json": listed}}
+            (path / "files.json").write_text(json.dumps(index))
+        elif case == "checkpoint still being written":
+            return ["--resume", str(path.rename(path.with_name(".tmp-step-0000004")))]
+        elif case == "checkpoint step that does not exist":
+            return ["--resume", str(path.with_name("step-0000040"))]
+        if case == "checkpoint over a fresh start":  # del-train's default is --resume same
+            return ["--resume", "none"]
+        return ["--resume", str(path)]
     elif case == "init.hf missing":
         return ["init.hf=models/nowhere", "init.hf_hub_id=org/model", "data.tokenizer=null"]
     elif case == "init.hf broken config":
@@ -164,12 +178,21 @@ CASES = [
     ("manifest from the future", [], "manifest version 99 is newer"),
     ("wandb online without key", ["logging.wandb=online"], "needs WANDB_API_KEY"),
     ("output under a file", [], "is not a directory"),
-    ("resume from nowhere", ["--resume", "/nowhere"], "not a complete checkpoint directory"),
+    ("resume from nowhere", ["--resume", "/nowhere"], "--resume /nowhere: does not exist"),
     ("checkpoint data_state cut", [], "data_state.json: unreadable"),
     ("checkpoint meta cut", [], "meta.json: unreadable"),
     ("checkpoint of another architecture", [], "saved with model.hidden_size=256"),
     ("checkpoint missing rng", [], "rank00001.pt: missing"),
     ("checkpoint of another tokenizer", [], "saved with another tokenizer"),
+    # inputs that are not whole (issue 37; before: the first three were resumed from)
+    ("checkpoint without its files list", [], "step-0000004: no files.json (the list of its"),
+    ("checkpoint still being written", [], ".tmp-step-0000004: a directory still being writ"),
+    ("checkpoint with a listed file of another size", [], "meta.json: unreadable ("),
+    (
+        "checkpoint step that does not exist",
+        [],
+        "step-0000040: does not exist (",  # ... checkpoints holds step-0000004)
+    ),
     # the files the load reads, checked by the dry run as by the run (before: the dry run
     # reported resume_step, the run refused after building the model)
     (
@@ -255,3 +278,23 @@ def test_a_mistake_is_left_for_the_launcher(setup, capsys, monkeypatch, tmp_path
     line = capsys.readouterr().err
     assert [p.name for p in errors.iterdir()] == ["rank-1"]
     assert (errors / "rank-1").read_text() == line
+
+
+def test_every_rank_says_why_it_stops_on_its_own_stderr(setup, capsys, monkeypatch):
+    """Peers (issue 37): rank 1 started alone (RANK=1 WORLD_SIZE=2 LOCAL_RANK=1) stopped on a
+    mistake with status 2 and nothing on stderr or stdout: only a node's first rank spoke,
+    for launchers that collect every rank's line (ours). Where none collects it, each rank
+    says it, once a node for a line its ranks share (plain srun: one job, one node here)."""
+    tmp, config, *_ = setup
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))  # where a node keeps the lines said
+    monkeypatch.delenv("DEL_USER_ERROR_DIR", raising=False)
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("SLURM_JOB_ID", "4242")):
+        monkeypatch.setenv(name, value)
+    assert main(["--config", str(config), "--dry-run", "train.steps=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("del-train: error: train.steps: Input should be greater than 0"), err
+    monkeypatch.setenv("RANK", "2")  # another rank of the node, the same line: said once
+    assert main(["--config", str(config), "--dry-run", "train.steps=0"]) == 2
+    assert capsys.readouterr().err == ""
+    assert main(["--config", str(config), "--dry-run", "train.steps=-1"]) == 2  # another
+    assert "train.steps: Input should be greater than 0" in capsys.readouterr().err

@@ -5,19 +5,22 @@ the earlier run is lost."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from ..distributed.launcher import ROOT, torchrun_command, torchrun_env
+from ..distributed.launcher import ROOT, free_port, torchrun_command, torchrun_env
 from .test_resume import train_args as resume_args
 
 pytestmark = pytest.mark.slow
@@ -209,3 +212,239 @@ def test_a_changed_byte_of_a_saved_weight_is_refused_by_its_readers(saved, tmp_p
     problems.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
     assert evaluate([str(checkpoint), "--gsm8k", str(problems), "--shots", "0"]) == 2
     assert f"{weights}: its contents differ from the checksum" in capsys.readouterr().err
+
+
+def test_inputs_that_are_not_whole_are_refused_by_every_reader(saved, tmp_path, capsys):
+    """Inputs that are not whole (issue 37): a checkpoint still being written (a `.tmp-`
+    name, no files.json yet), a file of it missing, a step that does not exist. Before:
+    del-eval and del-convert evaluated and exported the first (exit 0), and the missing step
+    was 'model/arch.json: no such file (not a del-megatron weights directory)'."""
+    from del_megatron.cli.convert import main as convert
+    from del_megatron.cli.eval import main as evaluate
+
+    root = tmp_path / "checkpoints"
+    writing = root / ".tmp-step-0000004"
+    shutil.copytree(saved / "checkpoints" / "step-0000002", writing)
+    (writing / "files.json").unlink()
+    unlisted = shutil.copytree(writing, root / "step-0000003")
+    short = shutil.copytree(saved / "checkpoints" / "step-0000002", root / "step-0000002")
+    (short / "model" / "arch.json").unlink()
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    capsys.readouterr()
+    cases = [
+        (writing, "a directory still being written"),
+        (unlisted, "no files.json (the list of its files"),
+        (short, f"{short / 'model' / 'arch.json'}: missing (listed in"),
+        (root / "step-0000040", f"does not exist ({root} holds step-0000002, step-0000003)"),
+    ]
+    for path, expected in cases:
+        argv = ["megatron-to-hf", "--checkpoint", str(path), "--out", str(tmp_path / "hf")]
+        assert convert(argv) == 2
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1, err
+        assert evaluate([str(path), "--gsm8k", str(problems), "--shots", "0"]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1, err
+    assert not (tmp_path / "hf").exists()
+
+
+def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"{what}: the run ended ({proc.returncode})"
+        assert time.time() < deadline, f"{what} did not happen in {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+def test_a_rank_whose_peers_never_come_says_so_stops_on_sigterm_and_gives_up(
+    tmp_path, synth_tokenizer, synth_shards
+):
+    """Peers that never come (issue 37). Rank 0 of 2 started alone says within seconds what
+    it waits for, and again later; a SIGTERM while it waits ends it in one line (75: nothing
+    trained, the same command starts again). Rank 1 alone says it waits for rank 0's
+    rendezvous and gives up after parallel.collective_timeout_minutes in one line (2).
+    Before: 'building the model ... on 2 rank(s)', then nothing for 14 minutes, and the TERM
+    did nothing (the TCPStore retried for an hour)."""
+    cmd = one_process(tmp_path / "run", synth_tokenizer, synth_shards, "train.micro_batch_size=4")
+
+    def as_rank(rank: int, port: int) -> dict[str, str]:
+        ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+        return {**torchrun_env(), **ranks, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+    port, stderr = free_port(), tmp_path / "rank0.err"
+    with open(stderr, "w") as sink:
+        alone = subprocess.Popen(
+            cmd, env=as_rank(0, port), stdout=subprocess.DEVNULL, stderr=sink, cwd=ROOT
+        )
+    try:
+        other = free_port()
+        done = subprocess.run(
+            [*cmd, "parallel.collective_timeout_minutes=0.1"],  # 6 s
+            env=as_rank(1, other),
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+            check=False,
+        )
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        where = f"127.0.0.1:{other}"
+        assert f"del-train: rank 1 of 2 waiting for rank 0's rendezvous at {where}" in lines[0]
+        assert lines[-1].startswith(f"del-train: error: rank 1 of 2: no rendezvous at {where}")
+        assert "within 6 s (parallel.collective_timeout_minutes)" in lines[-1], lines[-1]
+        waiting = f"del-train: rank 0 waiting for 1 of 2 rank(s) to join at 127.0.0.1:{port}"
+
+        def said_twice() -> bool:
+            return stderr.read_text().count(waiting) >= 2  # at 3 s, then at 9 s
+
+        wait_for(said_twice, "rank 0's lines about its wait", alone)
+        assert "(missing: rank 1; not started, or not reaching it)" in stderr.read_text()
+        alone.send_signal(signal.SIGTERM)
+        assert alone.wait(timeout=60) == 75
+        last = stderr.read_text().strip().splitlines()[-1]
+        assert last.startswith("del-train: stopped by SIGTERM while rank 0 of 2 waited"), last
+        assert "Traceback" not in stderr.read_text()
+    finally:
+        alone.kill()
+        alone.wait()
+
+
+def keep_full(directory: Path, proc: subprocess.Popen) -> threading.Thread:
+    """Another writer that takes every byte of `directory`'s filesystem and every byte freed
+    on it later, until `proc` ends."""
+
+    def fill() -> None:
+        handle = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while proc.poll() is None:
+                try:
+                    os.write(handle, bytes(4096))
+                except OSError:
+                    time.sleep(0.001)
+        finally:
+            os.close(handle)
+
+    thread = threading.Thread(target=fill, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_disk_that_fills_under_a_background_save_ends_in_one_line(
+    tmpfs, synth_tokenizer, synth_shards
+):
+    """The way out writes to the full disk (issue 37): a disk that another writer fills
+    from the moment a checkpoint is being written behind training, and keeps full (wandb
+    offline logging to the same disk), ends in the one line naming it, exit 2. Before: that
+    line, then wandb's log handler's flush on the full disk raised while the error was
+    handled: exit 1, 112 lines of stderr and 6 tracebacks."""
+    disk = tmpfs("40m")
+    out = disk / "run"
+    extra = ("train.steps=8", "train.save_interval=1", "logging.wandb=offline")
+    proc = subprocess.Popen(
+        one_process(out, synth_tokenizer, synth_shards, *extra),
+        env=torchrun_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    wait_for(lambda: any((out / "checkpoints").glob(".tmp-step-*")), "a background save", proc)
+    filler = keep_full(disk, proc)  # from the first save on: it fails, or the next one does
+    _, stderr = proc.communicate(timeout=300)
+    filler.join()
+    assert proc.returncode == 2, stderr[-3000:]
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and f"{out / 'checkpoints'}: no space left on the device" in lines[0]
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
+
+
+KILLED_BUILD = """
+import sys, time
+from pathlib import Path
+from del_megatron import locks
+assert locks.try_take(Path(sys.argv[1]), "a build") is None
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_ctrl_c_stops_like_sigterm_and_the_same_command_continues(
+    tmp_path, synth_tokenizer, synth_shards
+):
+    """The terminal (issue 37). Ctrl-C (SIGINT to the run's process group, as a terminal
+    sends it) stops a one-process run as SIGTERM does: a checkpoint of the step trained, one
+    line, exit 75. The same command then continues from it, and a second Ctrl-C exits at
+    once (130) without a traceback. That second start also finds HOME not writable (the
+    caches go elsewhere, said once) and the lock of an extension build killed midway in its
+    way (what a dead process leaves behind: taken over, said once). Before: Ctrl-C printed
+    tracebacks (exit 130) and kept nothing; the same command was refused (resume none);
+    an unwritable HOME ended in a traceback of DeepSpeed's build; the lock hung the start."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    out = tmp_path / "run"
+    cmd = one_process(out, synth_tokenizer, synth_shards, LONG_RUN)
+    metrics = out / "metrics.jsonl"
+
+    def steps() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+    def start(env: dict[str, str], stderr: Path) -> subprocess.Popen:
+        with open(stderr, "w") as sink:
+            return subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=sink,
+                text=True,
+                cwd=ROOT,
+                start_new_session=True,  # a terminal's job: its own process group
+            )
+
+    first = start(torchrun_env(), tmp_path / "first.err")
+    wait_for(lambda: steps() >= 2, "two steps", first)
+    os.killpg(first.pid, signal.SIGINT)
+    stdout, _ = first.communicate(timeout=300)
+    err = (tmp_path / "first.err").read_text()
+    assert first.returncode == 75, err[-3000:]
+    assert "Traceback" not in err and err.count("interrupted (Ctrl-C): stopping after") == 1
+    (saved,) = sorted((out / "checkpoints").glob("step-*"))
+    stopped = json.loads((saved / "meta.json").read_text())["step"]
+    assert f"stop requested: checkpoint of step {stopped} saved" in stdout
+
+    build = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    lock = build / "lock"
+    killed = subprocess.Popen(
+        [sys.executable, "-c", KILLED_BUILD, str(lock)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=torchrun_env(),
+    )
+    assert killed.stdout.readline().strip() == "held"
+    killed.kill()  # the build killed midway: its lock stays
+    killed.wait()
+    (tmp_path / "a-file").write_text("")
+    env = {**torchrun_env(), "HOME": str(tmp_path / "a-file" / "home")}
+    env["TORCH_EXTENSIONS_DIR"] = str(build.parent)  # the build the lock is in, as before
+    second = start(env, tmp_path / "second.err")
+    try:
+        wait_for(lambda: steps() > stopped, "a step after the resume", second)
+        os.killpg(second.pid, signal.SIGINT)
+        said = "interrupted (Ctrl-C)"
+        wait_for(lambda: said in (tmp_path / "second.err").read_text(), "the first line", second)
+        os.killpg(second.pid, signal.SIGINT)
+        assert second.wait(timeout=60) == 130
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # its data worker, if it outlived it
+            os.killpg(second.pid, signal.SIGKILL)
+        second.wait()
+    err = (tmp_path / "second.err").read_text()
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "del-train: interrupted again: exiting now (the last complete checkpoint is kept)"
+    )
+    assert f"resumed from {saved} at step {stopped}" in second.stdout.read()
+    assert err.count(f"HOME={env['HOME']} is not writable: caches (") == 1, err
+    assert err.count(f"taking over the lock {lock} of host ") == 1, err
+    assert f"pid {killed.pid}, which is gone" in err and not lock.exists()

@@ -15,24 +15,28 @@ import psutil
 import pytest
 
 from ..distributed.launcher import ROOT, free_port, run_torchrun, torchrun_command, torchrun_env
+from ..utils import each_once
 
 pytestmark = pytest.mark.slow
 
 
 def train_args(out: Path, tokenizer, manifest, *extra: str, tp: int = 2) -> list[str]:
+    """The config and its overrides; `extra`'s values replace the base's (each field once)."""
     return [
         "--config",
         str(ROOT / "configs" / "tiny_cpu.yaml"),
-        f"data.tokenizer={tokenizer}",
-        f"data.sources=[{{manifest: {manifest}}}]",
-        "eval.sources=[]",
-        "train.steps=20",
-        "train.log_interval=5",
-        f"parallel.tensor_parallel={tp}",
-        "train.global_batch_size=16",
-        f"output_dir={out}",
-        "logging.wandb=disabled",
-        *extra,
+        *each_once(
+            f"data.tokenizer={tokenizer}",
+            f"data.sources=[{{manifest: {manifest}}}]",
+            "eval.sources=[]",
+            "train.steps=20",
+            "train.log_interval=5",
+            f"parallel.tensor_parallel={tp}",
+            "train.global_batch_size=16",
+            f"output_dir={out}",
+            "logging.wandb=disabled",
+            *extra,
+        ),
     ]
 
 
