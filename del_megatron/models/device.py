@@ -356,9 +356,10 @@ def _agreed_failure(error: str | None) -> str | None:
 def gpt_decoder_spec(device: torch.device, num_layers: int, *, qk_layernorm: bool = False):
     """The decoder's modules on this device, every one named here: `num_layers` layers of
     `gpt_layer_spec` (this pipeline stage's count: megatron builds every spec it is given,
-    numbered from the stage's offset) and the final norm of `final_norm`. A layer spec alone would leave the
-    final norm to megatron's own import-time choice (transformer_block.LayerNormImpl: TE's,
-    else Apex's, else torch's, whatever the device): Apex's FusedLayerNorm refuses RMSNorm,
+    numbered from the stage's offset) and the final norm of `final_norm`. A layer spec alone
+    would leave the final norm to megatron's own import-time choice
+    (transformer_block.LayerNormImpl: TE's, else Apex's, else torch's, whatever the device):
+    Apex's FusedLayerNorm refuses RMSNorm,
     and TE's on CPU parameters fails its first forward."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
