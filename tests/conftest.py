@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import end_process_group
+
 
 def pytest_collection_modifyitems(config, items):
     """DEL_MEGATRON_ONLY=1 (launch/test.sh's second run, in .venv312 on the newest
@@ -187,7 +189,7 @@ def group():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
     if started:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 @pytest.fixture

@@ -43,7 +43,9 @@ def _count_into(directory: str) -> None:
 
 
 def _the_next_sitecustomize() -> None:
-    sys.modules.pop("sitecustomize", None)
+    # this module is being imported as "sitecustomize": the import machinery reads it back from
+    # sys.modules when it finishes, so it goes back there unless another one took the name
+    ours = sys.modules.pop("sitecustomize", None)
     path, sys.path[:] = list(sys.path), [p for p in sys.path if os.path.abspath(p or ".") != HERE]
     try:
         importlib.import_module("sitecustomize")
@@ -51,6 +53,7 @@ def _the_next_sitecustomize() -> None:
         pass
     finally:
         sys.path[:] = path
+        sys.modules.setdefault("sitecustomize", ours)
 
 
 if os.environ.get("DEL_COUNT_COLLECTIVES"):

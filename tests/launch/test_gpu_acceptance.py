@@ -293,6 +293,7 @@ dist.all_reduce(t)  # not del_megatron/collectives.py's: not counted
 if sys.argv[1] == "ignored":  # the switch ignored: skipped as without it
     collectives._alone = lambda group: True
 collectives.all_reduce(t)
+dist.destroy_process_group()  # gloo's threads torn down at exit can abort the process
 """
 
 

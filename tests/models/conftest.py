@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.utils import end_process_group
+
 
 @pytest.fixture
 def cuda_on_cpu(monkeypatch):
@@ -49,4 +51,4 @@ def one_process_groups():
     if started[1]:
         parallel_state.destroy_model_parallel()
     if started[0]:
-        dist.destroy_process_group()
+        end_process_group()
