@@ -303,7 +303,9 @@ def test_the_count_sees_an_ignored_switch(tmp_path):
     env = {**os.environ, ON_ONE_RANK: "1", acc.COUNT_COLLECTIVES: str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "acceptance_site"), str(ROOT)])}
     for how in ("honoured", "ignored"):
-        subprocess.run([sys.executable, "-c", COUNTED, how], env=env, check=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-c", COUNTED, how], env=env, check=True,
+                              timeout=120, capture_output=True, text=True)
+        assert "Error in sitecustomize" not in proc.stderr, proc.stderr  # it hands over cleanly
     counts = sorted(json.loads(f.read_text())["all_reduce"] for f in tmp_path.glob("*.json"))
     assert counts == [1, 2]  # ignored, honoured
     assert acc.collectives_counted(tmp_path) == {"all_reduce": 3, "all_gather_object": 2}
