@@ -249,11 +249,15 @@ def test_inputs_that_are_not_whole_are_refused_by_every_reader(saved, tmp_path, 
     assert not (tmp_path / "hf").exists()
 
 
-def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_for(
+    predicate, what: str, proc: subprocess.Popen, timeout: float = 300, log: Path | None = None
+) -> None:
+    """Until `predicate()`; fails naming `what` (and the end of `log`, the run's stderr)."""
     deadline = time.time() + timeout
     while not predicate():
-        assert proc.poll() is None, f"{what}: the run ended ({proc.returncode})"
-        assert time.time() < deadline, f"{what} did not happen in {timeout:.0f} s"
+        tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+        assert proc.poll() is None, f"{what}: the run ended ({proc.returncode})\n{tail}"
+        assert time.time() < deadline, f"{what} did not happen in {timeout:.0f} s\n{tail}"
         time.sleep(0.05)
 
 
@@ -403,15 +407,15 @@ def test_ctrl_c_stops_like_sigterm_and_the_same_command_continues(
             )
 
     first = start(torchrun_env(), tmp_path / "first.err")
-    wait_for(lambda: steps() >= 2, "two steps", first)
+    wait_for(lambda: steps() >= 2, "two steps", first, log=tmp_path / "first.err")
     os.killpg(first.pid, signal.SIGINT)
     stdout, _ = first.communicate(timeout=300)
     err = (tmp_path / "first.err").read_text()
     assert first.returncode == 75, err[-3000:]
-    assert "Traceback" not in err and err.count("interrupted (Ctrl-C): stopping after") == 1
+    assert "Traceback" not in err and err.count("interrupted (Ctrl-C): stopping after") == 1, err
     (saved,) = sorted((out / "checkpoints").glob("step-*"))
     stopped = json.loads((saved / "meta.json").read_text())["step"]
-    assert f"stop requested: checkpoint of step {stopped} saved" in stdout
+    assert f"stop requested: checkpoint of step {stopped} saved" in stdout, (stdout[-2000:], err)
 
     build = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
     lock = build / "lock"
@@ -429,12 +433,23 @@ def test_ctrl_c_stops_like_sigterm_and_the_same_command_continues(
     env["TORCH_EXTENSIONS_DIR"] = str(build.parent)  # the build the lock is in, as before
     second = start(env, tmp_path / "second.err")
     try:
-        wait_for(lambda: steps() > stopped, "a step after the resume", second)
+        wait_for(
+            lambda: steps() > stopped,
+            "a step after the resume",
+            second,
+            log=tmp_path / "second.err",
+        )
         os.killpg(second.pid, signal.SIGINT)
         said = "interrupted (Ctrl-C)"
-        wait_for(lambda: said in (tmp_path / "second.err").read_text(), "the first line", second)
+        wait_for(
+            lambda: said in (tmp_path / "second.err").read_text(),
+            "the first line",
+            second,
+            log=tmp_path / "second.err",
+        )
         os.killpg(second.pid, signal.SIGINT)
-        assert second.wait(timeout=60) == 130
+        code = second.wait(timeout=60)
+        assert code == 130, (code, (tmp_path / "second.err").read_text()[-3000:])
     finally:
         with contextlib.suppress(ProcessLookupError):  # its data worker, if it outlived it
             os.killpg(second.pid, signal.SIGKILL)
@@ -443,8 +458,9 @@ def test_ctrl_c_stops_like_sigterm_and_the_same_command_continues(
     assert "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == (
         "del-train: interrupted again: exiting now (the last complete checkpoint is kept)"
-    )
-    assert f"resumed from {saved} at step {stopped}" in second.stdout.read()
+    ), err[-3000:]
+    said_out = second.stdout.read()
+    assert f"resumed from {saved} at step {stopped}" in said_out, (said_out[-2000:], err[-2000:])
     assert err.count(f"HOME={env['HOME']} is not writable: caches (") == 1, err
     assert err.count(f"taking over the lock {lock} of host ") == 1, err
-    assert f"pid {killed.pid}, which is gone" in err and not lock.exists()
+    assert f"pid {killed.pid}, which is gone" in err and not lock.exists(), err[-3000:]

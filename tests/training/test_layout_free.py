@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from del_megatron.checksums import hash_file
 from del_megatron.training import checkpoint, layout_free
 
 from ..distributed.launcher import ROOT, run_torchrun
@@ -126,6 +127,11 @@ def test_older_checkpoint_at_another_layout_is_refused_in_one_line(
     for field in ("zero_stage", "layout_free"):
         meta.pop(field)
     (old / "meta.json").write_text(json.dumps(meta))
+    # its files.json as that save would have written it: no optim/, this meta.json
+    index = json.loads((old / "files.json").read_text())
+    index["files"] = {k: v for k, v in index["files"].items() if not k.startswith("optim/")}
+    index["files"]["meta.json"] = hash_file(old / "meta.json")
+    (old / "files.json").write_text(json.dumps(index))
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = str(ROOT / "configs" / "tiny_cpu.yaml")
     args = [*overrides(synth_tokenizer, synth_shards), f"output_dir={tmp_path / 'out'}"]

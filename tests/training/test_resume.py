@@ -320,8 +320,8 @@ def test_bad_checkpoints_give_one_line_and_exit_non_zero(
     from data_tools.build import build_shards
 
     out = tmp_path / "run"
-    base = command(out, synth_tokenizer, synth_shards, "train.steps=2")
-    run(base)
+    run(command(out, synth_tokenizer, synth_shards, "train.steps=2"))
+    base = command(out, synth_tokenizer, synth_shards, "train.steps=4")
     saved = out / "checkpoints" / "step-0000002"
 
     def fails(cmd, expected):
@@ -355,14 +355,16 @@ def test_bad_checkpoints_give_one_line_and_exit_non_zero(
     rng = saved / "rng" / "rank00000.pt"
     original = rng.read_bytes()
     rng.write_bytes(original[:40])  # cut short
-    fails([*base, "train.steps=4", "--resume", str(saved)], "rank00000.pt: unreadable")
+    fails([*base, "--resume", str(saved)], "rank00000.pt: unreadable")
     rng.write_bytes(original)
     for state in saved.glob("optim/*.safetensors"):
         state.write_bytes(state.read_bytes()[:100])  # corrupted
     # cut short: refused by its size in files.json before anything reads it (the start-up
     # check, training/checkpoint_files.py)
     fails(
-        [*base, "train.steps=4", "--resume", str(saved)],
+        [*base, "--resume", str(saved)],
         "tp00-dp00.safetensors: unreadable (100 bytes",
     )
-    fails([*base, "--resume", str(tmp_path / "nowhere")], "not a complete checkpoint directory")
+    fails([*base, "--resume", str(tmp_path / "nowhere")], "nowhere: does not exist")
+    (tmp_path / "empty").mkdir()  # a directory, but no checkpoint (no files.json)
+    fails([*base, "--resume", str(tmp_path / "empty")], "not a complete checkpoint")
