@@ -67,6 +67,10 @@ STAT_KEYS = (
     "digit_entropy_sum",  # sum of -sum_k p_k log p_k
     "value_digits",  # digit positions whose target is a digit 0..9 (not '.')
     "digit_abs_error_sum",  # sum of |argmax-digit - target digit| over value_digits
+    # the level of the digit-class logits at digit positions, which softmax ignores and the
+    # DEL term's BCE on raw logits does not (docs/losses.md, "the logit-shift escape")
+    "digit_logit_sum",  # sum of the mean class logit (1/K) sum_k z_k
+    "digit_logsumexp_sum",  # sum of log sum_k exp(z_k)
 )
 
 # Metric name -> (sum key, count key): the report pairs of docs/losses.md.
@@ -77,6 +81,8 @@ REPORT_PAIRS = {
     "digit_cond_acc": ("digit_cond_correct", "digits"),
     "digit_entropy": ("digit_entropy_sum", "digits"),
     "digit_abs_error": ("digit_abs_error_sum", "value_digits"),
+    "digit_logit": ("digit_logit_sum", "digits"),
+    "digit_logsumexp": ("digit_logsumexp_sum", "digits"),
 }
 
 
@@ -275,7 +281,11 @@ def _digit_stats(
     predicted_digit = class_logits[:, :10].argmax(-1)
     abs_error = (predicted_digit - classes).abs().to(class_logits.dtype)
     entropy = torch.where(numeric, digit_entropy(class_logits), 0.0)
+    level = torch.where(numeric, class_logits.mean(-1), 0.0)
+    log_sum_exp = torch.where(numeric, torch.logsumexp(class_logits, -1), 0.0)
     return {
+        "digit_logit_sum": level.sum(),
+        "digit_logsumexp_sum": log_sum_exp.sum(),
         "digit_correct": (target_is_max & numeric).sum(),
         "digit_cond_correct": ((class_logits.argmax(-1) == classes) & numeric).sum(),
         "digit_entropy_sum": entropy.sum(),
