@@ -52,6 +52,13 @@ class NumericLossConfig(BaseModel):
     detach_criterion: bool = False
     """Stop the gradient through the digit conditional probability p-hat (del, del_distance)."""
 
+    shift_invariant: bool = False
+    """Ours, an ablation arm, not the authors' DEL (del, del_distance): the BCE reads the
+    centred class logits z_k - mean_j z_j, so the term is unchanged when every logit moves by
+    the same amount (which softmax ignores). The default (false) is the authors' BCE on raw
+    class logits, which a model can lower by shifting its logits down without changing any
+    probability (docs/losses.md, "the logit-shift escape")."""
+
     dist2_tau: float = Field(default=1.0, gt=0.0)
     """Temperature tau of the DIST2 target q(v) ~ exp(-(v-y)^2 / tau)."""
 
@@ -87,6 +94,12 @@ class NumericLossConfig(BaseModel):
             raise ValueError(
                 f"place_weighting=True has no effect for kind={self.kind!r}: it weighs digit "
                 f"positions of {sorted(DIGIT_KINDS)}; leave place_weighting unset"
+            )
+        if self.shift_invariant and not self.kind_spec.bce_on_logits:
+            raise ValueError(
+                f"shift_invariant=True changes the BCE of kind='del' and 'del_distance'; "
+                f"kind={self.kind!r} reads only the digit distribution, which a common shift "
+                "leaves unchanged already: leave shift_invariant unset"
             )
         if self.fused_recompute and not self.fused_output:
             raise ValueError(

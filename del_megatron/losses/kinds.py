@@ -46,6 +46,10 @@ class Kind:
     """Whether digit positions are weighed by u(place) when `place_weighting` is not given."""
     decimal_point_class: bool = False
     """Whether '.' may be an eleventh class (`include_decimal_point`)."""
+    bce_on_logits: bool = False
+    """Whether the digit term reads the class logits themselves (DEL's BCE), not only the
+    distribution they make: only such a term can be shift-invariant or not
+    (`shift_invariant`)."""
 
     @property
     def needs_cost_embedding(self) -> bool:
@@ -61,11 +65,23 @@ class Kind:
 
 
 def _del(class_logits, target, cfg):
-    return del_term(class_logits, target, detach_criterion=cfg.detach_criterion, distance=False)
+    return del_term(
+        class_logits,
+        target,
+        detach_criterion=cfg.detach_criterion,
+        distance=False,
+        shift_invariant=cfg.shift_invariant,
+    )
 
 
 def _del_distance(class_logits, target, cfg):
-    return del_term(class_logits, target, detach_criterion=cfg.detach_criterion, distance=True)
+    return del_term(
+        class_logits,
+        target,
+        detach_criterion=cfg.detach_criterion,
+        distance=True,
+        shift_invariant=cfg.shift_invariant,
+    )
 
 
 def _ntl_was(class_logits, target, cfg):
@@ -83,8 +99,16 @@ def _dist2(class_logits, target, cfg):
 # Default alphas: the DEL authors' 0.1, the NTL paper's 0.3, the DIST2 paper's 0.1.
 KINDS: dict[str, Kind] = {
     "mle": Kind(),
-    "del": Kind(digit_term=_del, default_alpha=0.1, place_weighting=True, decimal_point_class=True),
-    "del_distance": Kind(digit_term=_del_distance, default_alpha=0.1, place_weighting=True),
+    "del": Kind(
+        digit_term=_del,
+        default_alpha=0.1,
+        place_weighting=True,
+        decimal_point_class=True,
+        bce_on_logits=True,
+    ),
+    "del_distance": Kind(
+        digit_term=_del_distance, default_alpha=0.1, place_weighting=True, bce_on_logits=True
+    ),
     "ntl_was": Kind(digit_term=_ntl_was, default_alpha=0.3),
     "ntl_mse": Kind(digit_term=_ntl_mse, default_alpha=0.3),
     "dist2": Kind(digit_term=_dist2, default_alpha=0.1),

@@ -18,15 +18,24 @@ def _digit_distance(class_logits: torch.Tensor, target: torch.Tensor) -> torch.T
 
 
 def del_term(
-    class_logits: torch.Tensor, target: torch.Tensor, *, detach_criterion: bool, distance: bool
+    class_logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    detach_criterion: bool,
+    distance: bool,
+    shift_invariant: bool = False,
 ) -> torch.Tensor:
-    """Supervised digit entropy (1/K) sum_k p_k * BCE(z_k, 1[k=y]); times |v_k-y| if distance."""
+    """Supervised digit entropy (1/K) sum_k p_k * BCE(z_k, 1[k=y]); times |v_k-y| if distance.
+    shift_invariant: the BCE on z_k - mean_j z_j (ours; the authors' reads z_k itself)."""
     num_classes = class_logits.shape[-1]
     p_hat = torch.softmax(class_logits, dim=-1)
     if detach_criterion:
         p_hat = p_hat.detach()
     onehot = F.one_hot(target, num_classes).to(class_logits.dtype)
-    bce = F.binary_cross_entropy_with_logits(class_logits, onehot, reduction="none")
+    bce_logits = class_logits
+    if shift_invariant:
+        bce_logits = class_logits - class_logits.mean(-1, keepdim=True)
+    bce = F.binary_cross_entropy_with_logits(bce_logits, onehot, reduction="none")
     per_class = p_hat * bce
     if distance:
         per_class = per_class * _digit_distance(class_logits, target)

@@ -102,6 +102,7 @@ TABLE: dict[str, Rule] = {
             "decimal_base",
             "include_decimal_point",
             "detach_criterion",
+            "shift_invariant",
             "dist2_tau",
             "mixce_eta",
             "ignore_index",

@@ -91,10 +91,12 @@ def loop_loss(logits, labels, digit_ids, point_ids, cfg, vocab_size, mask=None, 
             zc = [logsumexp([z[i] for i in ids]) for ids in classes]
             p = softmax(zc)
             if kind in ("del", "del_distance"):
+                centre = sum(zc) / num_classes if cfg.get("shift_invariant") else 0.0
                 total = 0.0
                 for k in range(num_classes):
                     y = 1.0 if k == target else 0.0
-                    bce = -(y * log_sigmoid(zc[k]) + (1 - y) * log_sigmoid(-zc[k]))
+                    x = zc[k] - centre
+                    bce = -(y * log_sigmoid(x) + (1 - y) * log_sigmoid(-x))
                     term = p[k] * bce
                     if kind == "del_distance":
                         term *= abs(k - target)

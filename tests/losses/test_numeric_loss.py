@@ -27,6 +27,7 @@ def _loop_cfg(cfg: NumericLossConfig) -> dict:
         "tau": cfg.dist2_tau,
         "eta": cfg.mixce_eta,
         "ignore_index": cfg.ignore_index,
+        "shift_invariant": cfg.shift_invariant,
     }
 
 
@@ -39,7 +40,10 @@ CASES = [
     NumericLossConfig(kind="del", normalize="tokens", alpha=0.3),
     NumericLossConfig(kind="del", include_decimal_point=True, place_slope=1.5, decimal_base=1.3),
     NumericLossConfig(kind="del", place_weighting=False),
+    NumericLossConfig(kind="del", shift_invariant=True),
+    NumericLossConfig(kind="del", shift_invariant=True, include_decimal_point=True, alpha=1.0),
     NumericLossConfig(kind="del_distance"),
+    NumericLossConfig(kind="del_distance", shift_invariant=True, normalize="tokens"),
     NumericLossConfig(kind="ntl_was"),
     NumericLossConfig(kind="ntl_mse", normalize="tokens"),
     NumericLossConfig(kind="dist2", dist2_tau=0.7),
@@ -51,7 +55,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(
-    "cfg", CASES, ids=lambda c: f"{c.kind}-{c.normalize}-{c.include_decimal_point}"
+    "cfg",
+    CASES,
+    ids=lambda c: f"{c.kind}-{c.normalize}-{c.include_decimal_point}-si{int(c.shift_invariant)}",
 )
 @pytest.mark.parametrize("padded", [False, True], ids=["exact-vocab", "padded-vocab"])
 def test_matches_explicit_loops_in_float64(cfg, padded):
@@ -274,3 +280,54 @@ def test_statistics_on_constructed_logits():
     assert_close(
         uniform.stats["digit_entropy_sum"] / 4, torch.tensor(2.302585093), atol=1e-6, what="H"
     )
+
+
+@pytest.mark.parametrize("kind", ["del", "del_distance"])
+def test_shift_invariant_term_ignores_a_common_shift_and_the_default_does_not(kind):
+    """loss.shift_invariant (ours, an ablation arm): the BCE on centred class logits. Moving
+    every logit by c changes no probability; the authors' term (the default) then changes,
+    by about c per non-target class once the logits are large (the escape the option closes),
+    the shift-invariant one does not. Its gradient is checked in float64, and the default is
+    the authors' formula bit for bit (the BCE on the raw class logits)."""
+    labels, mask = make_batch(2, 24, seed=11)
+    z = torch.randn(2, 24, VOCAB_SIZE, dtype=torch.float64) * 3
+    vocab = make_vocab()
+    authors = NumericLossConfig(kind=kind)
+    ours = NumericLossConfig(kind=kind, shift_invariant=True)
+    for c in (-4.0, 7.5):
+        moved = numeric_loss(z + c, labels, vocab, ours, mask)
+        base = numeric_loss(z, labels, vocab, ours, mask)
+        assert_close(moved.numeric, base.numeric, atol=1e-12, what="shift-invariant term")
+        assert_close(moved.ce, base.ce, atol=1e-12, what="ce")
+        raw_moved = numeric_loss(z + c, labels, vocab, authors, mask).numeric
+        raw = numeric_loss(z, labels, vocab, authors, mask).numeric
+        assert (raw_moved - raw).abs() > 0.1, (c, raw_moved, raw)  # the escape is open
+
+    # the default's term equals the authors' formula computed here, bit for bit
+    from del_megatron.losses.terms import del_term
+
+    class_logits = torch.randn(40, 10, dtype=torch.float64) * 4
+    target = torch.randint(10, (40,))
+    onehot = torch.nn.functional.one_hot(target, 10).double()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(
+        class_logits, onehot, reduction="none"
+    )
+    expected = torch.softmax(class_logits, -1) * bce
+    if kind == "del_distance":
+        expected = expected * (torch.arange(10).double() - target.double().unsqueeze(1)).abs()
+    got = del_term(class_logits, target, detach_criterion=False, distance=kind != "del")
+    assert torch.equal(got, expected.sum(-1) / 10)
+
+    logits = torch.randn(2, 12, VOCAB_SIZE + 3, dtype=torch.float64, requires_grad=True)
+    small_labels, small_mask = make_batch(2, 12, seed=3)
+
+    def f(x):
+        out = numeric_loss(x, small_labels, vocab, ours, small_mask)
+        return out.loss, out.per_token
+
+    assert torch.autograd.gradcheck(f, (logits,))
+
+
+def test_shift_invariant_is_refused_where_it_changes_nothing():
+    with pytest.raises(ValueError, match="shift_invariant=True changes the BCE"):
+        NumericLossConfig(kind="ntl_was", shift_invariant=True)

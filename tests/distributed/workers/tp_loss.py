@@ -92,11 +92,15 @@ def check_against_reference(rank, world, dtype, atol):
                 cost = emo_cost_embedding(torch.randn(PADDED, 6, generator=gen)).to(dtype)
                 weights = torch.rand(batch, seq, generator=gen, dtype=torch.float64).to(dtype)
                 local = PADDED // world
-                for kind in KINDS:
+                for kind in [*KINDS, "del:shift_invariant"]:
+                    kind, _, option = kind.partition(":")
                     for normalize in ("digits", "tokens"):
                         if kind in ("mle", "mixce", "emo") and normalize == "tokens":
                             continue
-                        cfg = NumericLossConfig(kind=kind, normalize=normalize)
+                        if option and normalize == "tokens":
+                            continue
+                        options = {option: True} if option else {}
+                        cfg = NumericLossConfig(kind=kind, normalize=normalize, **options)
                         shard = (
                             full[..., rank * local : (rank + 1) * local].clone().requires_grad_()
                         )
@@ -118,7 +122,9 @@ def check_against_reference(rank, world, dtype, atol):
                         grad_ref = ref_logits.grad.transpose(0, 1)[
                             ..., rank * local : (rank + 1) * local
                         ]
-                        case = f"{layout}/V={vocab_size}/{variant}/{kind}/{normalize}/{dtype}"
+                        case = (
+                            f"{layout}/V={vocab_size}/{variant}/{kind}{option}/{normalize}/{dtype}"
+                        )
                         compare(case, out, ref, shard.grad, grad_ref, atol)
                         cases += 1
     return cases
