@@ -71,3 +71,40 @@ def steps_to_threshold(
         if value >= threshold if higher_is_better else value <= threshold:
             return step
     return None
+
+
+def paired_p(differences: list[float]) -> float:
+    """Two-sided p of the one-sample Student t test of mean 0 (n - 1 degrees of freedom);
+    NaN below two differences. Differences all equal: 0 if they are not 0, else 1."""
+    from scipy.stats import t
+
+    kept = [d for d in differences if not math.isnan(d)]
+    if len(kept) < 2:
+        return math.nan
+    mean, spread = statistics.fmean(kept), statistics.stdev(kept)
+    if spread == 0:
+        return 0.0 if mean != 0 else 1.0
+    return float(2 * t.sf(abs(mean) / (spread / math.sqrt(len(kept))), len(kept) - 1))
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (family-wise error); NaN stays NaN and is not
+    counted as a test."""
+    tested = sorted((p, i) for i, p in enumerate(p_values) if not math.isnan(p))
+    m, adjusted, running = len(tested), [math.nan] * len(p_values), 0.0
+    for rank, (p, i) in enumerate(tested):
+        running = max(running, min(1.0, (m - rank) * p))
+        adjusted[i] = running
+    return adjusted
+
+
+def benjamini_hochberg(p_values: list[float]) -> list[float]:
+    """Benjamini-Hochberg adjusted p-values (false discovery rate); NaN stays NaN and is not
+    counted as a test."""
+    tested = sorted((p, i) for i, p in enumerate(p_values) if not math.isnan(p))
+    m, adjusted, running = len(tested), [math.nan] * len(p_values), 1.0
+    for rank in range(m - 1, -1, -1):
+        p, i = tested[rank]
+        running = min(running, p * m / (rank + 1))
+        adjusted[i] = running
+    return adjusted

@@ -22,7 +22,18 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..outputs import write_text_atomic
-from .effects import CONFIDENCE, MIN_PAIRS, Interval, paired_effect, steps_to_threshold, t_interval
+from .effects import (
+    CONFIDENCE,
+    MIN_PAIRS,
+    Interval,
+    benjamini_hochberg,
+    holm,
+    paired_differences,
+    paired_effect,
+    paired_p,
+    steps_to_threshold,
+    t_interval,
+)
 
 BASELINE = "mle"
 THRESHOLD = 0.8  # of the best digit accuracy: steps-to-threshold (sample efficiency)
@@ -30,6 +41,7 @@ EFFECTS = [  # (metric, label, format): differences to MLE
     ("digit_acc", "digit accuracy", "+.3f"),
     ("exact_teacher_forced", "exact match, teacher-forced", "+.3f"),
     ("exact_greedy", "exact match, greedy", "+.3f"),
+    ("number_mae", "number MAE of the greedy answers (those that are a number)", "+.3g"),
     ("entropy_gap", "digit entropy minus the true entropy (nats)", "+.3f"),
     ("digit_ece", "digit calibration error (ECE)", "+.3f"),
 ]
@@ -37,6 +49,7 @@ FINAL = [  # (metric, label): the final step's values over seeds
     ("digit_acc", "digit acc"),
     ("exact_teacher_forced", "exact (TF)"),
     ("exact_greedy", "exact (greedy)"),
+    ("number_mae", "number MAE"),
     ("digit_entropy", "digit entropy"),
     ("digit_ece", "ECE"),
 ]
@@ -166,6 +179,72 @@ def final_table(rows: list[dict]) -> str:
             lines.append(f"| {kind} | {n} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+FAMILY_WIDE = 0.05  # Holm's family-wise error rate and Benjamini-Hochberg's false discoveries
+
+
+def corrected(rows: list[dict]) -> tuple[list[str], list[str], int]:
+    """The differences to MLE that survive a correction for every interval tested (from
+    MIN_PAIRS pairs): (Holm at FAMILY_WIDE, Benjamini-Hochberg at FAMILY_WIDE, tests)."""
+    last = max(r["step"] for r in rows)
+    kinds = [k for k in _order(r["kind"] for r in rows) if k != BASELINE]
+    cells, p_values = [], []
+    for metric, label, fmt in EFFECTS:
+        for task in _order(r["task"] for r in rows):
+            baseline = by_seed(rows, BASELINE, task, last, metric)
+            for kind in kinds:
+                diffs = paired_differences(by_seed(rows, kind, task, last, metric), baseline)
+                diffs = [d for d in diffs if not math.isnan(d)]
+                if len(diffs) < MIN_PAIRS:
+                    continue
+                cells.append((kind, task, label, fmt, t_interval(diffs)))
+                p_values.append(paired_p(diffs))
+    said = [
+        [
+            f"{kind} vs mle on {task}, {label}: {_cell(interval, fmt)} (adjusted p {p:.3f})"
+            for (kind, task, label, fmt, interval), p in zip(cells, adjusted, strict=True)
+            if p < FAMILY_WIDE
+        ]
+        for adjusted in (holm(p_values), benjamini_hochberg(p_values))
+    ]
+    return said[0], said[1], len(p_values)
+
+
+POWER = 0.8
+POWER_KIND = "del"  # the kind the project is about: what its comparison with MLE can see
+
+
+def power_table(rows: list[dict], kind: str = POWER_KIND) -> str:
+    """Per task: the half-width of `kind`'s 95% interval against MLE, and the smallest true
+    difference a paired t test at 5% (uncorrected) finds with POWER, from the observed
+    spread of the paired differences: (t_0.975 + t_POWER) * sd / sqrt(n)."""
+    from scipy.stats import t
+
+    if kind not in {r["kind"] for r in rows}:
+        return ""
+    last = max(r["step"] for r in rows)
+    metrics = [(m, label, fmt) for m, label, fmt in EFFECTS if m in ("digit_acc", "entropy_gap")]
+    lines = [
+        "| task | " + " | ".join(f"{label}: ± 95% / detectable" for _, label, _ in metrics) + " |",
+        "|---|" + "---|" * len(metrics),
+    ]
+    for task in _order(r["task"] for r in rows):
+        cells = []
+        for metric, _, _ in metrics:
+            diffs = paired_differences(
+                by_seed(rows, kind, task, last, metric), by_seed(rows, BASELINE, task, last, metric)
+            )
+            diffs = [d for d in diffs if not math.isnan(d)]
+            if len(diffs) < 2:
+                cells.append("—")
+                continue
+            n, se = len(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+            half = t.ppf(0.5 + CONFIDENCE / 2, n - 1) * se
+            detectable = (t.ppf(0.5 + CONFIDENCE / 2, n - 1) + t.ppf(POWER, n - 1)) * se
+            cells.append(f"±{half:.3f} / {detectable:.3f}")
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def effect_tables(rows: list[dict]) -> tuple[str, list[str], int]:
@@ -327,13 +406,22 @@ def report(rows: list[dict], *, protocol: dict, command: str, minutes: float) ->
     last = max(r["step"] for r in rows)
     took = "" if math.isnan(minutes) else f"{minutes:.0f} minutes on "
     noted = "\n".join(f"* {n}" for n in notes) or "* none: no interval excludes 0"
+    by_holm, by_bh, tests = corrected(rows)
+    survive = (
+        f"Corrected for the {tests} paired t tests behind these intervals (two-sided, from "
+        f"{MIN_PAIRS} seeds): Holm at {FAMILY_WIDE:.0%} (family-wise) keeps "
+        f"{len(by_holm)}, Benjamini–Hochberg at {FAMILY_WIDE:.0%} (false discoveries) "
+        f"keeps {len(by_bh)}. Only these are findings; every other **✱** is a lead.\n\n"
+        "Holm:\n\n" + ("\n".join(f"* {n}" for n in by_holm) or "* none") + "\n\n"
+        "Benjamini–Hochberg:\n\n" + ("\n".join(f"* {n}" for n in by_bh) or "* none")
+    )
     # many intervals at 95% each: some exclude 0 by chance alone, so say how many to expect
     chance = (
         f"{len(notes)} of {tested} intervals exclude 0; with no real difference anywhere, "
         # rounded first: 1 - 0.95 is not exactly 0.05 in binary
         f"about {round(tested * (1 - CONFIDENCE), 9):.0f} would by chance alone "
-        f"({1 - CONFIDENCE:.0%} each). A single **✱** is a lead; "
-        "the same effect on several tasks, or far from 0, is a finding."
+        f"({1 - CONFIDENCE:.0%} each). The intervals share the MLE runs and the metrics are "
+        "correlated, so that count is no test; the correction below is."
     )
     return f"""# Numeric tasks: every loss kind against MLE
 
@@ -352,6 +440,18 @@ raw_runs.jsonl --out DIR`.
 
 {noted}
 
+## What survives a correction for multiplicity
+
+{survive}
+
+## What {POWER_KIND} against MLE can show here
+
+An interval that includes 0 is an absence of evidence at this power, not an equivalence:
+per task, the half-width of the 95% interval of {POWER_KIND} minus MLE and the smallest true
+difference a paired test at 5% (uncorrected) would find with {POWER:.0%} power, from the
+observed spread of the paired differences. An effect below it cannot be seen here.
+
+{power_table(rows)}
 ## Final metrics
 
 {final_table(rows)}

@@ -228,6 +228,9 @@ def evaluate_suite(
             "exact_teacher_forced": metrics["number_exact_match"],
             "exact_greedy": greedy["accuracy"],
             "greedy_problems": greedy["problems"],
+            # the paper's number MAE: |greedy answer - gold| over the answers that are a number
+            "number_mae": greedy.get("mean_abs_error", math.nan),
+            "answered_with_a_number": greedy.get("answered_with_a_number", 0),
             "digit_entropy": metrics["digit_entropy"],
             "true_digit_entropy": metrics["true_digit_entropy"],
             "entropy_gap": metrics["digit_entropy"] - metrics["true_digit_entropy"],

@@ -56,3 +56,22 @@ def test_steps_to_threshold():
     assert steps_to_threshold(curve, 0.8) == 200
     assert steps_to_threshold(curve, 0.9) is None
     assert steps_to_threshold([(100, 0.3), (200, 0.1)], 0.2, higher_is_better=False) == 200
+
+
+def test_paired_p_holm_and_benjamini_hochberg_by_hand():
+    from del_megatron.evaluation.effects import benjamini_hochberg, holm, paired_p
+
+    # mean 3, sd sqrt(2.5), n 5: t = 3 / (1.5811388 / 2.2360680) = 4.2426407, df 4:
+    # two-sided p = 0.0132356 (scipy.stats.t.sf(4.2426407, 4) * 2)
+    assert paired_p([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(0.0132356, abs=1e-6)
+    assert math.isnan(paired_p([0.5]))
+    assert paired_p([0.1, 0.1, 0.1]) == 0.0 and paired_p([0.0, 0.0]) == 1.0
+    p = [0.01, 0.04, 0.03, math.nan, 0.005]
+    # Holm over the 4 tested: sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1, running max
+    assert holm(p)[4] == pytest.approx(0.02) and holm(p)[0] == pytest.approx(0.03)
+    assert holm(p)[2] == pytest.approx(0.06) and holm(p)[1] == pytest.approx(0.06)
+    assert math.isnan(holm(p)[3])
+    # BH: p * m / rank, running min from the largest: 0.04, 0.04, 0.02, 0.02
+    bh = benjamini_hochberg(p)
+    assert bh[1] == pytest.approx(0.04) and bh[2] == pytest.approx(0.04)
+    assert bh[0] == pytest.approx(0.02) and bh[4] == pytest.approx(0.02)

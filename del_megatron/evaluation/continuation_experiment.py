@@ -1,0 +1,381 @@
+"""The continuation experiment (launch/experiments/continuations.sh): can DEL move a model that
+MLE has already trained, and by how much, against what a trivial nudge does?
+
+Shared bases: one MLE run per seed to `base_steps` on the numeric task suite (the numeric-task
+protocol's data, model and schedule, `task_experiment`). Then every arm continues each base
+for `steps` from its weights (a fresh optimizer, as continued pretraining starts from a
+released model), all arms of one base on the same data order (data.seed per base) and
+schedule: MLE, a placebo (MLE at lr x1.1), DEL at alpha in {0.1, 0.3, 1, 3}, the
+shift-invariant DEL (`loss.shift_invariant`, ours) at the same alphas, DIST2 0.1 and NTL
+(Wasserstein) 0.3. Each continuation's last checkpoint is evaluated per task (greedy answers
+too: number MAE), and its training metrics every `log_every` steps (the digit logits' level,
+the term) are kept with it. The analysis is fixed in advance (`continuation_report`:
+PRIMARY endpoints, each a trend in log alpha, Holm-corrected).
+
+    python -m del_megatron.evaluation.continuation_experiment [--ci] [--root DIR] [--out DIR]
+        [--jobs N]
+
+Resumable: a run is done when its metrics.json exists (written atomically once evaluated);
+a run without it was cut short and starts again. Runs of another protocol in the same root
+are refused. One progress line per finished run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+from ..outputs import write_text_atomic
+from .task_experiment import CONFIG, Children, prepare_data
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One continuation: its name (as the report names it) and the config overrides."""
+
+    name: str
+    kind: str
+    alpha: float | None = None
+    shift_invariant: bool = False
+    lr_scale: float = 1.0
+
+    @property
+    def family(self) -> str:
+        """Which dose-response family the arm belongs to ('' for the controls)."""
+        if self.kind == "del":
+            return "del_shift_invariant" if self.shift_invariant else "del"
+        return ""
+
+    def overrides(self, lr: float, min_lr: float) -> list[str]:
+        out = [f"loss.kind={self.kind}"]
+        if self.alpha is not None:
+            out.append(f"loss.alpha={self.alpha}")
+        if self.shift_invariant:
+            out.append("loss.shift_invariant=true")
+        out += [f"optim.lr={lr * self.lr_scale}", f"optim.min_lr={min_lr * self.lr_scale}"]
+        return out
+
+
+ALPHAS = (0.1, 0.3, 1.0, 3.0)
+ARMS = (
+    Arm("mle", "mle"),
+    Arm("placebo", "mle", lr_scale=1.1),
+    *(Arm(f"del-{a:g}", "del", alpha=a) for a in ALPHAS),
+    *(Arm(f"del_si-{a:g}", "del", alpha=a, shift_invariant=True) for a in ALPHAS),
+    Arm("dist2-0.1", "dist2", alpha=0.1),
+    Arm("ntl_was-0.3", "ntl_was", alpha=0.3),
+)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    seeds: tuple[int, ...]
+    base_steps: int
+    steps: int  # of each continuation
+    log_every: int  # training metrics of a continuation every this many steps
+    documents: int
+    heldout: int
+    greedy_limit: int
+    lr: float = 1.0e-3  # the continuations' peak (cosine to min_lr, 5% warm-up)
+    min_lr: float = 1.0e-4
+    data_seed: int = 0  # of the task suite
+    config: str = CONFIG
+    arms: tuple[Arm, ...] = field(default=ARMS)
+
+    def fingerprint(self) -> dict:
+        return asdict(self)
+
+
+# ~75 core-minutes: 4 bases x 1000 steps + 4 x 12 continuations x 300 steps, evaluated.
+FULL = Protocol(
+    seeds=(1, 2, 3, 4),
+    base_steps=1000,
+    steps=300,
+    log_every=25,
+    documents=40000,
+    heldout=200,
+    greedy_limit=100,
+)
+# CI: that everything runs and the report is written.
+CI = Protocol(
+    seeds=(1, 2),
+    base_steps=20,
+    steps=10,
+    log_every=5,
+    documents=1500,
+    heldout=16,
+    greedy_limit=8,
+    arms=(ARMS[0], ARMS[1], ARMS[2], ARMS[5], ARMS[6]),
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    arm: Arm | None  # None: a base
+    seed: int
+    directory: Path
+
+    @property
+    def name(self) -> str:
+        return f"base-{self.seed}" if self.arm is None else f"{self.arm.name} seed {self.seed}"
+
+    @property
+    def done(self) -> bool:
+        """Evaluated and recorded (`seconds` is written last: evaluate-run's metrics.json
+        alone is a run cut short between the two writes)."""
+        try:
+            return "seconds" in json.loads((self.directory / "metrics.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return False
+
+
+def bases_of(protocol: Protocol, root: Path) -> list[Run]:
+    return [Run(None, s, root / "bases" / f"mle-{s}") for s in protocol.seeds]
+
+
+def continuations_of(protocol: Protocol, root: Path) -> list[Run]:
+    """Seed by seed, so that a partial experiment has every arm of its first seeds."""
+    return [
+        Run(arm, s, root / "runs" / f"{arm.name}-{s}")
+        for s in protocol.seeds
+        for arm in protocol.arms
+    ]
+
+
+def base_checkpoint(protocol: Protocol, root: Path, seed: int) -> Path:
+    return root / "bases" / f"mle-{seed}" / "checkpoints" / f"step-{protocol.base_steps:07d}"
+
+
+def check_root(protocol: Protocol, root: Path) -> None:
+    record = root / "protocol.json"
+    mine = json.loads(json.dumps(protocol.fingerprint()))
+    if record.is_file():
+        theirs = json.loads(record.read_text())
+        if theirs != mine:
+            changed = sorted(k for k in mine if theirs.get(k) != mine[k])
+            raise UserError(
+                f"{root} holds runs of another protocol ({', '.join(changed)} differ): "
+                "choose another --root, or remove it to start again"
+            )
+        return
+    write_text_atomic(record, json.dumps(mine, indent=1) + "\n")
+
+
+def train_command(protocol: Protocol, run: Run, data: Path, root: Path) -> list[str]:
+    common = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "del_megatron.cli.train",
+        "--config",
+        protocol.config,
+        # train.seed sets the initial weights and the data order: a continuation's weights
+        # are its base's, its data order one per base (the same for every arm)
+        f"train.seed={run.seed if run.arm is None else 2000 + run.seed}",
+        f"data.tokenizer={data / 'tokenizer.model'}",
+        f"data.sources=[{{manifest: {data / 'shards' / 'manifest.json'}}}]",
+        f"output_dir={run.directory}",
+    ]
+    if run.arm is None:
+        steps = protocol.base_steps
+        return [*common, "loss.kind=mle", f"train.steps={steps}", f"train.save_interval={steps}"]
+    return [
+        *common,
+        *run.arm.overrides(protocol.lr, protocol.min_lr),
+        f"init.megatron={base_checkpoint(protocol, root, run.seed)}",
+        f"train.steps={protocol.steps}",
+        f"train.save_interval={protocol.steps}",
+        f"train.log_interval={protocol.log_every}",
+    ]
+
+
+TRAIN_KEYS = (
+    "loss",
+    "ce",
+    "numeric",
+    "digit_entropy",
+    "digit_acc",
+    "digit_logit",
+    "digit_logsumexp",
+    "numeric_share",
+    "numeric_grad_share",
+    "numeric_grad_cos",
+    "grad_norm",
+)
+
+
+def train_curve(run_dir: Path) -> list[dict]:
+    """The training metrics of every logged step (metrics.jsonl), the keys that matter here."""
+    rows = []
+    path = run_dir / "metrics.jsonl"
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path} line {number}: not JSON ({err})") from None
+        rows.append({"step": record["step"], **{k: record[k] for k in TRAIN_KEYS if k in record}})
+    return rows
+
+
+def train_and_evaluate(
+    protocol: Protocol, run: Run, data: Path, root: Path, children: Children
+) -> dict:
+    if run.directory.exists():
+        shutil.rmtree(run.directory)  # a run of ours cut short: start it again
+    run.directory.mkdir(parents=True)
+    started = time.monotonic()
+    command = train_command(protocol, run, data, root)
+    children.run(command, run.directory / "train.log")
+    trained = time.monotonic()
+    evaluate = [
+        sys.executable,
+        "-m",
+        "del_megatron.evaluation.task_experiment",
+        "evaluate-run",
+        str(run.directory),
+        "--suite",
+        str(data / "tasks"),
+        "--greedy-limit",
+        str(protocol.greedy_limit),
+    ]
+    children.run(evaluate, run.directory / "evaluate.log")
+    metrics = json.loads((run.directory / "metrics.json").read_text())
+    arm = run.arm
+    metrics.update(
+        kind=arm.name if arm else "base",
+        seed=run.seed,  # the base's (a continuation's train.seed is its data order's)
+        loss_kind=arm.kind if arm else "mle",
+        family=arm.family if arm else "",
+        alpha=arm.alpha if arm and arm.alpha is not None else math.nan,
+        train_curve=train_curve(run.directory),
+        seconds={"train": trained - started, "evaluate": time.monotonic() - trained},
+    )
+    if arm is not None:  # the continuations' checkpoints are not needed once evaluated
+        shutil.rmtree(run.directory / "checkpoints")
+    return metrics
+
+
+def progress_line(done: int, total: int, run: Run, metrics: dict, eta_s: float) -> str:
+    tasks = metrics["curve"][-1]["tasks"]
+    hard = [t["digit_acc"] for t in tasks.values() if t["level"] == "hard"]
+    s = metrics["seconds"]
+    level = metrics["train_curve"][-1].get("digit_logsumexp", math.nan)
+    return (
+        f"[{done}/{total}] {run.name}: trained {s['train']:.0f} s, evaluated "
+        f"{s['evaluate']:.0f} s; hard tasks' digit acc {sum(hard) / max(len(hard), 1):.3f}, "
+        f"digit log-sum-exp {level:.2f}; about {eta_s / 60:.0f} min left"
+    )
+
+
+def run_all(protocol: Protocol, root: Path, *, jobs: int, say=print) -> list[Run]:
+    """The bases, then every continuation, `jobs` at a time; returns the continuations."""
+    root.mkdir(parents=True, exist_ok=True)
+    check_root(protocol, root)
+    data = prepare_data(protocol, root)
+    bases, continuations = bases_of(protocol, root), continuations_of(protocol, root)
+    every = bases + continuations
+    todo = [r for r in every if not r.done]
+    if len(todo) < len(every):
+        say(f"{len(every) - len(todo)} of {len(every)} runs already done, kept")
+    children, lock = Children(), threading.Lock()
+    started, finished = time.monotonic(), [len(every) - len(todo)]
+    # the work of a run, in base steps (a continuation also loads and is evaluated)
+    cost = {id(r): (protocol.base_steps if r.arm is None else protocol.steps) for r in every}
+    left = [sum(cost[id(r)] for r in todo)]
+    spent = [0]
+
+    def one(run: Run) -> None:
+        if children.stopping:
+            return
+        try:
+            metrics = train_and_evaluate(protocol, run, data, root, children)
+        except BaseException:
+            children.stop()
+            raise
+        write_text_atomic(run.directory / "metrics.json", json.dumps(metrics, indent=1) + "\n")
+        with lock:
+            finished[0] += 1
+            spent[0] += cost[id(run)]
+            left[0] -= cost[id(run)]
+            eta = (time.monotonic() - started) / spent[0] * left[0]
+            say(progress_line(finished[0], len(every), run, metrics, eta))
+
+    for stage in (bases, continuations):  # a continuation needs its base
+        pool = ThreadPoolExecutor(max_workers=jobs)
+        try:
+            for future in [pool.submit(one, r) for r in stage if not r.done]:
+                while True:  # woken each second: a signal is handled by this thread only
+                    try:
+                        future.result(timeout=1.0)
+                        break
+                    except FuturesTimeout:
+                        continue
+        except BaseException:
+            children.stop()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return continuations
+
+
+def _stopped(signum, frame) -> None:
+    print(
+        "continuations: stopped; the same command continues (finished runs are kept)",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="continuations", description=__doc__.splitlines()[0])
+    p.add_argument("--ci", action="store_true", help="the short version CI runs")
+    p.add_argument("--root", type=Path, help="runs and data (default runs/continuations[-ci])")
+    p.add_argument("--out", type=Path, help="report, plots, raw rows (default ROOT/report)")
+    p.add_argument("--jobs", type=int, default=2, help="runs side by side (one core each)")
+    a = p.parse_args(argv)
+    protocol = CI if a.ci else FULL
+    root = a.root or Path("runs/continuations-ci" if a.ci else "runs/continuations")
+    out = a.out or root / "report"
+    started = time.monotonic()
+    signal.signal(signal.SIGTERM, _stopped)
+    try:
+        runs = run_all(protocol, root, jobs=a.jobs)
+        from .continuation_report import write_report
+
+        metrics = [json.loads((r.directory / "metrics.json").read_text()) for r in runs]
+        bases = [
+            json.loads((b.directory / "metrics.json").read_text()) for b in bases_of(protocol, root)
+        ]
+        command = ("bash launch/experiments/continuations.sh " + " ".join(argv)).strip()
+        written = write_report(
+            bases + metrics,
+            out,
+            protocol=json.loads(json.dumps(protocol.fingerprint())),
+            command=command,
+            minutes=(time.monotonic() - started) / 60,
+        )
+    except UserError as err:
+        print(f"continuations: error: {err}", file=sys.stderr)
+        return 2
+    print(f"written: {written} ({(time.monotonic() - started) / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
