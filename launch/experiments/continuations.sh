@@ -6,7 +6,7 @@
 # (del_megatron/evaluation/continuation_report.py); the page: docs/results/continuations/.
 #
 #   bash launch/experiments/continuations.sh          # about 40 minutes on 2 idle cores
-#   bash launch/experiments/continuations.sh --ci     # 2 seeds, 5 arms, a few steps (CI)
+#   bash launch/experiments/continuations.sh --ci     # 2 bases, 3 arms, 10 steps (CI)
 #   ... --root DIR --out DIR --jobs N
 #
 # Runs and data go to runs/continuations (--root), the report to ROOT/report (--out). A
