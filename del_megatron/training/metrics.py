@@ -150,28 +150,33 @@ class WandbSink:
             self.run.finish()
 
 
+# (metric, label on the console line, format): the label is the metric's name, but for the
+# diagnostics of docs/losses.md ("Is DEL learned from or escaped?"), shortened so that the
+# line stays readable (metrics.jsonl and wandb have the full names)
+CONSOLE_COLUMNS = (
+    ("loss", "loss", ".4f"),
+    ("ce", "ce", ".4f"),
+    ("numeric", "numeric", ".4f"),
+    ("digit_acc", "digit_acc", ".3f"),
+    ("digit_entropy", "digit_entropy", ".3f"),
+    ("digit_logit", "logit", ".2f"),
+    ("digit_logsumexp", "lse", ".2f"),
+    ("numeric_share", "share", ".3f"),
+    ("numeric_grad_share", "grad_share", ".3f"),
+    ("numeric_grad_cos", "grad_cos", ".2f"),
+    ("grad_norm", "grad_norm", ".3f"),
+    ("lr", "lr", ".2e"),
+    ("tokens_per_s", "tokens_per_s", ".0f"),
+    ("tflops", "tflops", ".1f"),
+    ("mfu", "mfu", ".3f"),
+)
+
+
 def console_line(step: int, total: int, values: dict[str, float]) -> str:
     parts = [f"step {step}/{total}"]
-    for key, fmt in (
-        ("loss", ".4f"),
-        ("ce", ".4f"),
-        ("numeric", ".4f"),
-        ("digit_acc", ".3f"),
-        ("digit_entropy", ".3f"),
-        # is DEL learned from or escaped (docs/losses.md, "diagnostics")
-        ("digit_logit", ".2f"),
-        ("digit_logsumexp", ".2f"),
-        ("numeric_share", ".3f"),
-        ("numeric_grad_share", ".3f"),
-        ("numeric_grad_cos", ".2f"),
-        ("grad_norm", ".3f"),
-        ("lr", ".2e"),
-        ("tokens_per_s", ".0f"),
-        ("tflops", ".1f"),
-        ("mfu", ".3f"),
-    ):
+    for key, label, fmt in CONSOLE_COLUMNS:
         if key in values:
-            parts.append(f"{key} {values[key]:{fmt}}")
+            parts.append(f"{label} {values[key]:{fmt}}")
     return " | ".join(parts)
 
 
