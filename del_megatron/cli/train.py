@@ -55,6 +55,9 @@ def final_table(
         ("digit accuracy", "digit_acc", ".4f"),
         ("digit entropy", "digit_entropy", ".4f"),
         ("digit abs error", "digit_abs_error", ".3f"),
+        # the digit logits' level and the digit term's share (docs/losses.md, diagnostics)
+        ("digit logsumexp", "digit_logsumexp", ".3f"),
+        ("numeric term share", "numeric_share", ".4f"),
     ]
     width = max(len(label) for label, _, _ in rows)
     lines = [f"{'':{width}s} {'before':>10s} {'after':>10s}"]

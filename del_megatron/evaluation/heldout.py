@@ -5,8 +5,13 @@ teacher-forced loop (`pipeline.teacher_forced`) with a loaded model's logits."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import UserError
+
+if TYPE_CHECKING:
+    from ..losses import NumericLossConfig
 
 # The longest default window: a checkpoint and its Hugging Face export share
 # max_position_embeddings, so a default taken from it alone gives both the same windows
@@ -57,12 +62,46 @@ def heldout_data(settings: HeldoutSettings, seq_len: int):
     )
 
 
-def heldout_metrics(loaded, settings: HeldoutSettings, seq_len: int, *, progress: bool) -> dict:
+def term_loss(model: Path) -> tuple[NumericLossConfig, str]:
+    """The loss whose digit term del-eval measures on `model` (its share of the loss:
+    'numeric_share'), and where it comes from, in words: the run's own loss (run_config.yaml
+    beside a training checkpoint) when it has a digit term, else DEL at its default alpha,
+    labelled so. Read before the model loads."""
+    from ..losses import NumericLossConfig
+
+    default = NumericLossConfig(kind="del")
+    alpha = f"{default.resolved_alpha:g}"
+    path = model / "run_config.yaml"
+    if not path.is_file():
+        return default, f"del at the default alpha {alpha} (the model's training loss is unknown)"
+    import yaml
+    from pydantic import ValidationError
+
+    try:
+        section = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("loss") or {}
+        loss = NumericLossConfig.model_validate(section)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError, ValidationError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{path}: cannot read its loss section ({first})") from None
+    if loss.kind_spec.digit_term is None:
+        return default, (
+            f"del at the default alpha {alpha} (the run trained {loss.kind}, which has no "
+            "digit term)"
+        )
+    return loss, f"{loss.kind} at alpha {loss.resolved_alpha:g} (the run's, {path.name})"
+
+
+def heldout_metrics(
+    loaded, settings: HeldoutSettings, seq_len: int, *, progress: bool, loss=None
+) -> dict:
     """Numeric metrics of `loaded` (backends.Loaded) on the held-out windows, with what they
-    were measured on (manifests, window length, batches)."""
+    were measured on (manifests, window length, batches). loss: (config, label) of the loss
+    whose digit term is measured (`term_loss`; None: read from `loaded.path` now)."""
     from ..data import StreamingLoader
     from .numeric import batch_statistics, numeric_metrics
     from .pipeline import teacher_forced
+
+    term, label = loss if loss is not None else term_loss(loaded.path)
 
     data = heldout_data(settings, seq_len)
     loader = StreamingLoader(
@@ -72,17 +111,18 @@ def heldout_metrics(loaded, settings: HeldoutSettings, seq_len: int, *, progress
 
     def score(batch):
         logits = loaded.forward(batch["tokens"])  # [b, s, V] float32
-        return batch_statistics(logits, batch["labels"], batch["loss_mask"], vocab)
+        return batch_statistics(logits, batch["labels"], batch["loss_mask"], vocab, term)
 
     evaluated = teacher_forced(
         loader,
         score,
-        numeric_metrics,
+        lambda sums: numeric_metrics(sums, term.resolved_alpha),
         device=loaded.device,
         progress="teacher-forced" if progress else None,
     )
     return {
         **evaluated.metrics,
+        "numeric_term": label,  # whose term 'numeric' and 'numeric_share' are
         "heldout": list(settings.manifests),
         "seq_len": seq_len,
         "batches": evaluated.batches,

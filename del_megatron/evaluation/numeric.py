@@ -16,8 +16,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..losses.config import NumericLossConfig
 from ..losses.groups import SlotSets, grouped_places, slot_class_logits, slot_offset
 from ..losses.places import digit_places, number_runs
+from ..losses.reference import numeric_loss
 from ..losses.vocab import NOT_A_CLASS, POINT_CLASS, DigitVocab
 
 ENTROPY_BINS = 20  # histogram of H(p̂) over [0, ln 10]
@@ -99,11 +101,18 @@ def _digit_rows(
 
 
 def batch_statistics(
-    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, vocab: DigitVocab
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    vocab: DigitVocab,
+    loss: NumericLossConfig | None = None,
 ) -> dict[str, torch.Tensor]:
     """Sums of one batch. logits [b, s, V] (V the tokenizer's vocabulary, padding columns
     removed), labels [b, s] (labels[:, t] is the target of logits[:, t]), loss_mask [b, s].
-    With a grouped tokenizer every digit statistic is per digit slot (docs/losses.md)."""
+    With a grouped tokenizer every digit statistic is per digit slot (docs/losses.md).
+    loss: a loss config with a digit term, whose term's sum and count are added
+    ('numeric_sum', 'numeric_count': the training loss' own, `losses.numeric_loss`), for the
+    term's share of the loss (`numeric_metrics`' 'numeric_share')."""
     logits = logits.float()
     device = logits.device  # every statistic is made where the logits are
     vocab_size = logits.shape[-1]
@@ -129,6 +138,13 @@ def batch_statistics(
     token_is_max = target_logit >= flat.max(dim=-1).values  # a top token of the row
     full_correct = token_is_max[digit_rows.token] & d
     entropy = torch.where(d, -(p * class_logp).sum(-1), 0.0)
+    # the level of the ten class logits, which softmax ignores and DEL's BCE on raw logits
+    # does not (docs/losses.md, "Is DEL learned from or escaped?")
+    class_logits = digit_rows.class_logits.double()
+    level = torch.where(d, class_logits.mean(-1), 0.0)
+    log_sum_exp = torch.where(
+        d, torch.logsumexp(torch.where(d.unsqueeze(1), class_logits, 0.0), -1), 0.0
+    )
     confidence = torch.where(d, p.max(dim=-1).values, 0.0)
 
     places = torch.where(d, digit_rows.place, 0)
@@ -165,7 +181,14 @@ def batch_statistics(
     abs_error = torch.where(has_digits, (greedy_value - true_value).abs(), 0.0)
     nonzero = has_digits & (true_value != 0)
     rel_error = torch.where(nonzero, abs_error / true_value.abs(), 0.0)
+    term = {}
+    if loss is not None:
+        out = numeric_loss(logits, labels, vocab, loss, loss_mask)  # the training loss' term
+        term = {k: out.stats[k] for k in ("numeric_sum", "numeric_count")}
     return {
+        **term,
+        "digit_logit": level.sum(),
+        "digit_logsumexp": log_sum_exp.sum(),
         "tokens": m.sum().double(),
         "nll": nll.sum(),
         "digits": weight.sum(),
@@ -183,9 +206,12 @@ def batch_statistics(
     }
 
 
-def numeric_metrics(sums: dict) -> dict:
+def numeric_metrics(sums: dict, alpha: float | None = None) -> dict:
     """The metrics from `batch_statistics` summed over batches (and ranks) and read to the
-    host (`pipeline.reduce_and_read`: floats and nested lists)."""
+    host (`pipeline.reduce_and_read`: floats and nested lists). alpha: the coefficient of
+    the loss whose digit term `batch_statistics` summed (its `loss`), for 'numeric' (the
+    term: sum / count over every batch) and 'numeric_share' (alpha·numeric / (CE +
+    alpha·numeric), the term's share of that loss)."""
     t = sums
     tokens, digits = t["tokens"], t["digits"]
     loss = t["nll"] / tokens if tokens else float("nan")
@@ -212,9 +238,22 @@ def numeric_metrics(sums: dict) -> dict:
         "number_abs_error": div(t["abs_error"], t["numbers"]),
         "number_rel_error": div(t["rel_error"], t["rel_numbers"]),
         "digit_entropy": div(t["entropy"], digits),
+        "digit_logit": div(t["digit_logit"], digits),
+        "digit_logsumexp": div(t["digit_logsumexp"], digits),
         "digit_entropy_histogram": {
             "edges": [i * math.log(10) / ENTROPY_BINS for i in range(ENTROPY_BINS + 1)],
             "counts": [int(c) for c in t["entropy_hist"]],
         },
         "digit_calibration_error": calibration_error if digits else float("nan"),
+        **_term_share(t, loss, alpha),
     }
+
+
+def _term_share(sums: dict, ce: float, alpha: float | None) -> dict:
+    """{'numeric', 'numeric_share'} where a digit term was summed and its alpha is given."""
+    if "numeric_sum" not in sums or alpha is None:
+        return {}
+    count = sums["numeric_count"]
+    numeric = sums["numeric_sum"] / count if count else 0.0  # no digit: 0, as in the losses
+    objective = ce + alpha * numeric
+    return {"numeric": numeric, "numeric_share": alpha * numeric / objective}

@@ -23,6 +23,11 @@ SUMMARY = [  # (label, path in results.json, format)
     ("number abs err", ("numeric", "number_abs_error"), ".3g"),
     ("number rel err", ("numeric", "number_rel_error"), ".3g"),
     ("digit entropy", ("numeric", "digit_entropy"), ".4f"),
+    # is DEL learned from or escaped (docs/losses.md): the digit logits' level, which
+    # softmax ignores, and the digit term's share of the loss ('numeric_term' says whose)
+    ("digit logit (mean)", ("numeric", "digit_logit"), ".3f"),
+    ("digit logsumexp", ("numeric", "digit_logsumexp"), ".3f"),
+    ("numeric term share", ("numeric", "numeric_share"), ".4f"),
     ("digit ECE", ("numeric", "digit_calibration_error"), ".4f"),
     ("gen accuracy", ("generation", "accuracy"), ".4f"),
     ("gen abs err", ("generation", "mean_abs_error"), ".3g"),
@@ -47,6 +52,9 @@ def markdown_table(results: dict) -> str:
         value = _get(results, path)
         if value is not None:
             rows.append(f"| {label} | {value:{fmt}} |")
+    term = results.get("numeric", {}).get("numeric_term")
+    if isinstance(term, str) and _get(results, ("numeric", "numeric_share")) is not None:
+        rows.append(f"| numeric term of | {term} |")
     places = results.get("numeric", {}).get("digit_acc_by_place", {})
     if places:
         rows.append(

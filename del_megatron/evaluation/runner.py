@@ -37,8 +37,12 @@ def evaluate_model(
     problems = shots = None
     if generation is not None:
         problems, shots = gen.problems_and_shots(generation)
+    term = None
     if heldout is not None:
+        from .heldout import term_loss
+
         check_heldout(heldout.manifests)
+        term = term_loss(model)  # the loss whose digit term's share is reported
     suite = None
     if tasks is not None:
         from .task_suite import load_suite
@@ -54,7 +58,9 @@ def evaluate_model(
         if heldout is not None:
             from .heldout import heldout_metrics
 
-            results["numeric"] = heldout_metrics(loaded, heldout, window, progress=progress)
+            results["numeric"] = heldout_metrics(
+                loaded, heldout, window, progress=progress, loss=term
+            )
         if generation is not None:
             results["generation"] = gen.generation_accuracy(
                 loaded,

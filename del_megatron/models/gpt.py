@@ -7,7 +7,8 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from ..losses import DigitVocab, NumericLossConfig, NumericLossHead, report_pairs
-from ..losses.assemble import NumericLossOutput
+from ..losses.assemble import NumericLossOutput, NumericStats
+from ..losses.diagnostics import output_gradient_probe, probe_pairs
 
 
 class NumericLossGPTModel(GPTModel):
@@ -121,6 +122,36 @@ class NumericLossGPTModel(GPTModel):
             )
         return sharded
 
+    def forward(self, *args, numeric_grad_probe: bool = False, **kwargs):
+        """megatron-core's forward; `numeric_grad_probe=True` (with `labels=` and
+        `loss_mask=` as keywords) also measures the numeric term's share of the gradient at
+        the output layer's logits (`losses.diagnostics`), added to the statistics as the
+        probe's [sum, count] keys. An argument of the call, not state of the model: the
+        trainer passes it on one micro-batch of a log step. Nothing is probed where there is
+        nothing to probe: a kind without a digit term, a stage without the output layer, or
+        the fused head (`loss.fused_output`), whose logits never exist as a tensor."""
+        if not numeric_grad_probe or not self._probed():
+            return super().forward(*args, **kwargs)
+        labels, loss_mask = kwargs.pop("labels", None), kwargs.pop("loss_mask", None)
+        if labels is None or len(args) > 4:
+            raise ValueError("numeric_grad_probe needs labels= (and loss_mask=) as keywords")
+        # megatron's own path without labels gives this rank's logits, [b, s, V/tp]
+        logits = super().forward(*args, labels=None, **kwargs).transpose(0, 1)  # [s, b, V/tp]
+        group = self.pg_collection.tp
+        output = self.head(labels, loss_mask, group, logits=logits)
+
+        def loss_of(copy: torch.Tensor) -> NumericLossOutput:
+            # the head's op called as a function: the head module itself runs once a forward,
+            # as DeepSpeed's ZeRO 3 traces each module's calls
+            return self.head.forward(labels, loss_mask, group, logits=copy)
+
+        probe = output_gradient_probe(loss_of, logits, self.head.cfg.resolved_alpha, group)
+        return output._replace(stats=NumericStats({**output.stats, **probe}))
+
+    def _probed(self) -> bool:
+        head = self.head if self.post_process else None
+        return head is not None and not head.fused and head.cfg.kind_spec.digit_term is not None
+
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         """With labels: the loss head, on the hidden states [s, b, h] and the output weight
         when the head is fused (the output layer and the loss in token chunks), else on the
@@ -159,8 +190,10 @@ def loss_func(loss_mask: torch.Tensor, output: NumericLossOutput | tuple):
     output: what NumericLossGPTModel returns with labels (per-token losses [b, s] and their
     statistics), or the plain tuple megatron's Float16Module (bf16 / fp16 runs) makes of it;
     loss_mask [b, s]. Report keys: 'lm loss' (the objective), 'ce', 'numeric', 'digit_acc',
-    'digit_cond_acc', 'digit_entropy', 'digit_abs_error'; each value a 2-element tensor
-    [sum, count] to be summed over micro-batches and data-parallel ranks and divided. The
+    'digit_cond_acc', 'digit_entropy', 'digit_abs_error', 'digit_logit', 'digit_logsumexp'
+    (and 'numeric_grad_share', 'numeric_grad_cos' on a probed micro-batch); each value a
+    2-element tensor [sum, count] to be summed over micro-batches and data-parallel ranks
+    and divided. The
     Megatron-LM and Megatron-Bridge loops take theirs from models/megatron_lm.py.
     """
     output = _as_output(output)
@@ -169,7 +202,9 @@ def loss_func(loss_mask: torch.Tensor, output: NumericLossOutput | tuple):
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = {"lm loss": torch.stack([loss_sum.detach(), num_tokens.to(loss_sum.dtype)])}
-    for name, (total, count) in report_pairs(output.stats).items():
+    # the gradient probe's pairs on a probed micro-batch (NumericLossGPTModel.forward)
+    pairs = {**report_pairs(output.stats), **probe_pairs(output.stats)}
+    for name, (total, count) in pairs.items():
         report[name] = torch.stack([total, count]).to(loss_sum.dtype)
     return loss_sum, num_tokens, report
 

@@ -87,15 +87,34 @@ class StepMetrics:
 
 
 def read_steps(pending: list[StepMetrics]) -> list[dict[str, float]]:
-    """Values of several steps with one host synchronisation."""
+    """Values of several steps with one host synchronisation, also when steps have other
+    sets of metrics (a log step's gradient probe): the rows are read as one flat tensor."""
     if not pending:
         return []
     rows = [m.device_row() for m in pending]
-    if len({r.numel() for r in rows}) == 1:
-        table = torch.stack(rows).tolist()
-    else:  # another set of metrics in some step: still correct, one read each
-        table = [r.tolist() for r in rows]
+    flat = torch.cat(rows).tolist()
+    table, start = [], 0
+    for row in rows:
+        table.append(flat[start : start + row.numel()])
+        start += row.numel()
     return [m.from_row(row) for m, row in zip(pending, table, strict=True)]
+
+
+def log_step(step: int, interval: int, total: int) -> bool:
+    """Whether `step` (1-based) shows a console line: every `interval` steps and the last."""
+    return step % interval == 0 or step == total
+
+
+def derived_values(values: dict[str, float], loss: Any) -> dict[str, float]:
+    """Metrics made of other metrics, on the host from the exact reduced means (no
+    synchronisation of their own): `numeric_share`, the numeric term's share of the
+    objective, alpha·numeric / loss, for the kinds with a digit term (none for mle, mixce,
+    emo). `loss`: the run's loss config (NumericLossConfig)."""
+    if loss.kind_spec.digit_term is None or "numeric" not in values or "loss" not in values:
+        return {}
+    objective = values["loss"]
+    share = loss.resolved_alpha * values["numeric"] / objective if objective else float("nan")
+    return {"numeric_share": share}
 
 
 class WandbSink:
@@ -131,22 +150,33 @@ class WandbSink:
             self.run.finish()
 
 
+# (metric, label on the console line, format): the label is the metric's name, but for the
+# diagnostics of docs/losses.md ("Is DEL learned from or escaped?"), shortened so that the
+# line stays readable (metrics.jsonl and wandb have the full names)
+CONSOLE_COLUMNS = (
+    ("loss", "loss", ".4f"),
+    ("ce", "ce", ".4f"),
+    ("numeric", "numeric", ".4f"),
+    ("digit_acc", "digit_acc", ".3f"),
+    ("digit_entropy", "digit_entropy", ".3f"),
+    ("digit_logit", "logit", ".2f"),
+    ("digit_logsumexp", "lse", ".2f"),
+    ("numeric_share", "share", ".3f"),
+    ("numeric_grad_share", "grad_share", ".3f"),
+    ("numeric_grad_cos", "grad_cos", ".2f"),
+    ("grad_norm", "grad_norm", ".3f"),
+    ("lr", "lr", ".2e"),
+    ("tokens_per_s", "tokens_per_s", ".0f"),
+    ("tflops", "tflops", ".1f"),
+    ("mfu", "mfu", ".3f"),
+)
+
+
 def console_line(step: int, total: int, values: dict[str, float]) -> str:
     parts = [f"step {step}/{total}"]
-    for key, fmt in (
-        ("loss", ".4f"),
-        ("ce", ".4f"),
-        ("numeric", ".4f"),
-        ("digit_acc", ".3f"),
-        ("digit_entropy", ".3f"),
-        ("grad_norm", ".3f"),
-        ("lr", ".2e"),
-        ("tokens_per_s", ".0f"),
-        ("tflops", ".1f"),
-        ("mfu", ".3f"),
-    ):
+    for key, label, fmt in CONSOLE_COLUMNS:
         if key in values:
-            parts.append(f"{key} {values[key]:{fmt}}")
+            parts.append(f"{label} {values[key]:{fmt}}")
     return " | ".join(parts)
 
 
@@ -169,6 +199,7 @@ class Reporter:
 
         self.total = cfg.train.steps
         self.log_interval = cfg.train.log_interval
+        self.loss = cfg.loss
         self.enabled = enabled
         self.path = Path(cfg.output_dir) / "metrics.jsonl"
         self.pending: list[tuple[int, StepMetrics, dict[str, float]]] = []
@@ -196,7 +227,7 @@ class Reporter:
         """Record step `step`; on a logging step, flush (returns the flushed steps)."""
         self.bar.update(1)
         self.pending.append((step, metrics, extra or {}))
-        if step % self.log_interval == 0 or step == self.total:
+        if log_step(step, self.log_interval, self.total):
             return self.flush(show=True)
         return []
 
@@ -208,7 +239,8 @@ class Reporter:
         pending, self.pending = self.pending, []
         read = read_steps([m for _, m, _ in pending])
         flushed = [
-            (step, {**v, **extra}) for (step, _, extra), v in zip(pending, read, strict=True)
+            (step, {**v, **derived_values(v, self.loss), **extra})
+            for (step, _, extra), v in zip(pending, read, strict=True)
         ]
         last_step, last = flushed[-1]
         self.bar.set_postfix(loss=f"{last['loss']:.3f}", digit_acc=f"{last['digit_acc']:.3f}")

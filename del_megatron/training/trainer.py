@@ -32,7 +32,7 @@ from ..models.device import (
 from ..outputs import agreed_output_lock, close_on_the_way_out
 from . import progress
 from .initial_weights import initialize_weights, open_initial_weights
-from .metrics import PairSum, Reporter, StepMetrics, means
+from .metrics import PairSum, Reporter, StepMetrics, derived_values, log_step, means
 from .plan import flops_per_token
 from .schedule import Schedule, reapply, rebase
 from .signals import StopRequest, agree
@@ -181,8 +181,11 @@ def trace_file(cfg: RunConfig, dp_rank: int) -> str | None:
     return str(Path(cfg.data.trace) / f"dp{dp_rank:05d}.jsonl")
 
 
-def _forward(run: Run, batch: dict[str, torch.Tensor]):
+def _forward(run: Run, batch: dict[str, torch.Tensor], probe: bool = False):
     """A micro-batch already on the compute device -> (loss sum, tokens, report pairs).
+    probe: also measure the numeric term's share of the gradient at the output layer's
+    logits (`NumericLossGPTModel.forward`'s `numeric_grad_probe`: the report then holds
+    'numeric_grad_share' and 'numeric_grad_cos').
 
     The model's forward ends in its loss head (`NumericLossGPTModel._postprocess`) and
     returns the head's `NumericLossOutput`, read here from that return value. The head runs
@@ -192,7 +195,8 @@ def _forward(run: Run, batch: dict[str, torch.Tensor]):
 
     tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"]
     positions = torch.arange(tokens.shape[1], device=run.device).expand_as(tokens)
-    output = run.engine(tokens, positions, None, labels=labels, loss_mask=loss_mask)
+    probed = {"numeric_grad_probe": True} if probe else {}
+    output = run.engine(tokens, positions, None, labels=labels, loss_mask=loss_mask, **probed)
     return loss_func(loss_mask, output)
 
 
@@ -223,7 +227,7 @@ def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
             )
     finally:
         run.engine.train()
-    return evaluated.metrics
+    return {**evaluated.metrics, **derived_values(evaluated.metrics, run.cfg.loss)}
 
 
 def _pair_means(sums: dict[str, list[float]]) -> dict[str, float]:
@@ -276,8 +280,11 @@ def train_step(
     scale = (tokens.new_full((), run.dp_size * run.accumulation) / tokens.clamp(min=1.0)).float()
     totals = PairSum()
     skipped_before = engine.skipped_steps
-    for batch in micro_batches:
-        loss_sum, _, report = _forward(run, batch)
+    # the gradient probe on a log step's first micro-batch only (its cost: two more passes
+    # of the loss op on it; no host read, its values read with the step's)
+    probe = gradient_probe_due(cfg, step)
+    for micro, batch in enumerate(micro_batches):
+        loss_sum, _, report = _forward(run, batch, probe=probe and micro == 0)
         engine.backward(loss_sum * scale)
         engine.step()
         totals.add(report)
@@ -313,6 +320,16 @@ def train_step(
     }
     metrics = StepMetrics(names, pairs, engine.get_global_grad_norm(), host)
     return StepOutcome(metrics=metrics, stop=agreed.stop, writing=agreed.writing, seconds=seconds)
+
+
+def gradient_probe_due(cfg: RunConfig, step: int) -> bool:
+    """Whether step `step` measures the numeric term's gradient share: a log step (the
+    console line's) of a kind with a digit term, unless the output layer is fused with the
+    loss (`loss.fused_output`: the logits it is measured on never exist)."""
+    loss = cfg.loss
+    if loss.kind_spec.digit_term is None or loss.fused_output:
+        return False
+    return log_step(step, cfg.train.log_interval, cfg.train.steps)
 
 
 def throughput(run: Run, seconds: float) -> dict[str, float]:

@@ -28,6 +28,12 @@ SCALARS = [
     "number_rel_error",
     "digit_entropy",
     "digit_calibration_error",
+    # the digit logits' level and the DEL term's share (the checkpoint: its run's del at 0.1,
+    # from run_config.yaml; the export: DEL at the default 0.1, the same loss)
+    "digit_logit",
+    "digit_logsumexp",
+    "numeric",
+    "numeric_share",
 ]
 
 
@@ -101,6 +107,13 @@ def test_checkpoint_and_export_give_the_same_teacher_forced_metrics(trained):
         assert abs(a["digit_acc_by_place"][place] - value) <= 1e-4, place
     assert a["digit_entropy_histogram"]["counts"] == b["digit_entropy_histogram"]["counts"]
     assert "| digit acc |" in (root / "a" / "results.md").read_text()
+    assert a["numeric_term"] == "del at alpha 0.1 (the run's, run_config.yaml)"
+    assert (
+        b["numeric_term"] == "del at the default alpha 0.1 (the model's training loss is unknown)"
+    )
+    assert 0 < a["numeric_share"] < 1
+    table = (root / "a" / "results.md").read_text()
+    assert "| digit logsumexp |" in table and "| numeric term share |" in table, table
 
 
 def test_generation_lm_eval_and_compare(trained, synth_corpus, tmp_path):

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from del_megatron import DigitVocab
+from del_megatron import DigitVocab, NumericLossConfig, numeric_loss
+from del_megatron.errors import UserError
 from del_megatron.evaluation import batch_statistics, numeric_metrics, teacher_forced
 
 V = 30
@@ -287,3 +288,78 @@ def test_grouped_vocabulary_at_m1_gives_the_single_digit_statistics(monkeypatch)
     grouped = batch_statistics(*args)
     for key, value in today.items():
         assert torch.equal(grouped[key], value), key
+
+
+# ---- is DEL learned from or escaped (docs/losses.md, diagnostics) ----------------------------
+
+
+def test_digit_logit_level_moves_by_a_common_shift_and_nothing_else_does():
+    """Every vocabulary logit + c: digit_logit and digit_logsumexp rise by c (float32 logits,
+    summed in float64: 1e-5), CE, entropy and accuracies stay; the DEL term rises."""
+    labels = tokens_of("x 12.5 x 3 x 40 x 7.25")
+    # at the level MLE leaves digit logits (a few units above 0), where DEL's BCE of a
+    # non-target class is about its logit
+    logits = logits_for(labels, greedy={2: 4}, p=0.6) + 5.0
+    del_loss = NumericLossConfig(kind="del")
+    before, after = (
+        numeric_metrics(_read(batch_statistics(z, *_args(labels), VOCAB, del_loss)), 0.1)
+        for z in (logits, logits + 3.0)
+    )
+    for key in ("digit_logit", "digit_logsumexp"):
+        assert after[key] - before[key] == pytest.approx(3.0, abs=1e-5), key
+    for key in ("loss", "digit_entropy", "digit_acc", "digit_cond_acc", "number_abs_error"):
+        assert after[key] == pytest.approx(before[key], abs=1e-5), key
+    assert after["numeric"] > before["numeric"] and after["numeric_share"] > before["numeric_share"]
+    # the level itself: the mean and the log-sum-exp of the ten class logits at digit targets
+    d = torch.tensor([10 <= t <= 19 for t in labels])
+    classes = logits[0, d][:, 10:20].double()
+    assert before["digit_logit"] == pytest.approx(classes.mean().item(), abs=1e-9)
+    assert before["digit_logsumexp"] == pytest.approx(
+        torch.logsumexp(classes, -1).mean().item(), abs=1e-9
+    )
+
+
+def test_numeric_term_and_share_are_the_training_loss_term_reduced_exactly():
+    """Two batches summed: the term is sum / count over both (not a mean of batch means),
+    the training loss' own (`numeric_loss`), and its share alpha·term / (CE + alpha·term)."""
+    cfg = NumericLossConfig(kind="ntl_was", alpha=0.3)
+    one, two = tokens_of("x 12.5 x 3 x"), tokens_of("x 407 x 99 x 1 x")
+    parts = [(logits_for(one, greedy={1: 7}, p=0.5), one), (logits_for(two, p=0.7), two)]
+    sums = [batch_statistics(z, *_args(labels), VOCAB, cfg) for z, labels in parts]
+    total = {k: sums[0][k] + sums[1][k] for k in sums[0]}
+    result = numeric_metrics(_read(total), cfg.resolved_alpha)
+    outs = [numeric_loss(z, *_args(labels)[:1], VOCAB, cfg) for z, labels in parts]
+    term = sum(o.stats["numeric_sum"] for o in outs) / sum(o.stats["numeric_count"] for o in outs)
+    ce = sum(o.stats["ce_sum"] for o in outs) / sum(o.stats["tokens"] for o in outs)
+    assert result["numeric"] == pytest.approx(term.item(), rel=1e-12)
+    assert result["numeric_share"] == pytest.approx(
+        (0.3 * term / (ce + 0.3 * term)).item(), rel=1e-6
+    )
+    assert "numeric_share" not in numeric_metrics(_read(total))  # no alpha: no share
+
+
+def test_the_term_measured_is_the_run_s_loss_or_del_labelled_as_the_default(tmp_path):
+    from del_megatron.evaluation.heldout import term_loss
+
+    loss, label = term_loss(tmp_path)  # a Hugging Face directory: no run config
+    assert (loss.kind, loss.resolved_alpha) == ("del", 0.1)
+    assert label == "del at the default alpha 0.1 (the model's training loss is unknown)"
+    (tmp_path / "run_config.yaml").write_text("loss:\n  kind: dist2\n  alpha: 0.05\n")
+    loss, label = term_loss(tmp_path)
+    assert (loss.kind, loss.resolved_alpha) == ("dist2", 0.05)
+    assert label == "dist2 at alpha 0.05 (the run's, run_config.yaml)"
+    (tmp_path / "run_config.yaml").write_text("loss:\n  kind: mle\n")
+    loss, label = term_loss(tmp_path)
+    assert loss.kind == "del" and "the run trained mle, which has no digit term" in label
+    (tmp_path / "run_config.yaml").write_text("loss:\n  kind: nope\n")
+    with pytest.raises(UserError, match="run_config.yaml: cannot read its loss section"):
+        term_loss(tmp_path)
+
+
+def _args(labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    labels_t = torch.tensor([labels])
+    return labels_t, torch.ones(labels_t.shape)
+
+
+def _read(sums: dict[str, torch.Tensor]) -> dict:
+    return {k: v.tolist() if v.dim() else float(v) for k, v in sums.items()}
