@@ -12,10 +12,21 @@ import pytest
 
 from tests.utils import end_process_group
 
+LAST = ("tests/docker/",)
+
 
 def pytest_collection_modifyitems(config, items):
-    """DEL_MEGATRON_ONLY=1 (launch/test.sh's second run, in .venv312 on the newest
+    """The container tests last: their first setup waits for the images, which CI builds in
+    the background (.ci/run) while everything else runs, rather than holding the suite up.
+    DEL_MEGATRON_ONLY=1 (launch/test.sh's second run, in .venv312 on the newest
     megatron-core): only the tests marked `megatron`, whatever else selects (-m, paths)."""
+    root = Path(str(config.rootpath))
+
+    def last(item) -> bool:
+        where = Path(str(item.path)).relative_to(root).as_posix()
+        return where.startswith(LAST)
+
+    items[:] = [i for i in items if not last(i)] + [i for i in items if last(i)]
     if os.environ.get("DEL_MEGATRON_ONLY") != "1":
         return
     others = [item for item in items if item.get_closest_marker("megatron") is None]
