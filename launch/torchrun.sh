@@ -99,13 +99,16 @@ echo "torchrun.sh: starting $nproc rank(s)" >&2
 # traceback of its own, and the ranks would take the forwarded copy for a second Ctrl-C)
 session=()
 if command -v setsid >/dev/null; then session=(setsid); fi
-"${session[@]}" "${command[@]}" &
-launcher_pid=$!
+launcher_pid=""
 stop_signal=""
 interrupted=0
 # shellcheck disable=SC2329 # called by the traps below
 forward() {
   interrupted=1
+  if [ -z "$launcher_pid" ]; then # before any rank started: nothing to save
+    echo "torchrun.sh: SIG$1 before the ranks started: nothing trained, stopping" >&2
+    exit 75
+  fi
   if [ "$1" = INT ] && [ "$stop_signal" = INT ]; then
     echo "torchrun.sh: SIGINT again: every rank exits at once (the last checkpoint is kept)" >&2
   else
@@ -114,10 +117,14 @@ forward() {
   stop_signal=$1
   pkill "-$1" -P "$launcher_pid" || true # the ranks are torchrun's children
 }
+# the traps before the launch: a signal that comes while the ranks start (a Ctrl-C as soon
+# as a rank says it is ready) is passed on, not taken by this script's default action (exit)
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 trap 'forward TERM' HUP # the terminal closed: a stop, as TERM
 if [ ${#session[@]} -gt 0 ]; then trap 'forward INT' INT; fi # else the ranks get it too
+"${session[@]}" "${command[@]}" &
+launcher_pid=$!
 while :; do
   interrupted=0
   status=0

@@ -49,13 +49,8 @@ class Arm:
     alpha: float | None = None
     shift_invariant: bool = False
     lr_scale: float = 1.0
-
-    @property
-    def family(self) -> str:
-        """Which dose-response family the arm belongs to ('' for the controls)."""
-        if self.kind == "del":
-            return "del_shift_invariant" if self.shift_invariant else "del"
-        return ""
+    family: str = ""
+    """The dose-response family the arm belongs to (the report's trends); '' for the rest."""
 
     def overrides(self, lr: float, min_lr: float) -> list[str]:
         out = [f"loss.kind={self.kind}"]
@@ -71,8 +66,11 @@ ALPHAS = (0.1, 0.3, 1.0, 3.0)
 ARMS = (
     Arm("mle", "mle"),
     Arm("placebo", "mle", lr_scale=1.1),
-    *(Arm(f"del-{a:g}", "del", alpha=a) for a in ALPHAS),
-    *(Arm(f"del_si-{a:g}", "del", alpha=a, shift_invariant=True) for a in ALPHAS),
+    *(Arm(f"del-{a:g}", "del", alpha=a, family="del") for a in ALPHAS),
+    *(
+        Arm(f"del_si-{a:g}", "del", alpha=a, shift_invariant=True, family="del_shift_invariant")
+        for a in ALPHAS
+    ),
     Arm("dist2-0.1", "dist2", alpha=0.1),
     Arm("ntl_was-0.3", "ntl_was", alpha=0.3),
 )
