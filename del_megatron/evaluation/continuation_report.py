@@ -321,9 +321,11 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     return written
 
 
-def report(rows: list[dict], *, protocol: dict, command: str, minutes: float) -> str:
-    from .results_page import machine
-
+def report(
+    rows: list[dict], *, protocol: dict, command: str, minutes: float, date: str, machine: str
+) -> str:
+    """The page; date and machine as recorded when the runs were made (protocol.json), so
+    that the page regenerates from its raw rows to the byte."""
     primary, survive = trend_table(rows, "del")
     secondary, leads = trend_table(rows, "del_shift_invariant")
     seeds = sorted({r["seed"] for r in rows})
@@ -356,7 +358,7 @@ def report(rows: list[dict], *, protocol: dict, command: str, minutes: float) ->
     )
     return f"""# Continuations: can DEL move a model MLE has trained?
 
-`{command}`, {datetime.date.today()}, {took}{machine()}.
+`{command}`, {date}, {took}{machine}.
 
 Protocol: {json.dumps(protocol)}
 
@@ -413,6 +415,8 @@ def write_outputs(rows: list[dict], out: Path, recorded: dict) -> Path:
         protocol=recorded["protocol"],
         command=recorded["command"],
         minutes=recorded["minutes"],
+        date=recorded["date"],
+        machine=recorded["machine"],
     )
     write_text_atomic(out / "report.md", page)
     return out / "report.md"
@@ -421,8 +425,16 @@ def write_outputs(rows: list[dict], out: Path, recorded: dict) -> Path:
 def write_report(
     runs: Iterable[dict], out: Path, *, protocol: dict, command: str, minutes: float
 ) -> Path:
+    from .results_page import machine
+
     rows = raw_rows(list(runs))
-    recorded = {"protocol": protocol, "command": command, "minutes": minutes}
+    recorded = {
+        "protocol": protocol,
+        "command": command,
+        "minutes": minutes,
+        "date": str(datetime.date.today()),
+        "machine": machine(),
+    }
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "raw_runs.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     write_text_atomic(out / "protocol.json", json.dumps(recorded, indent=1) + "\n")
