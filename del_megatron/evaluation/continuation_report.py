@@ -103,6 +103,7 @@ def trend(points: list[tuple[int, float, float]], tests: int) -> Trend:
 # ---- raw rows ----------------------------------------------------------------------------
 
 KEYS = ("kind", "seed", "step", "task")
+TRAIN_EVERY = 25  # the training rows kept: step 1 and every this many (metrics.jsonl has all)
 
 
 def raw_rows(runs: list[dict]) -> list[dict]:
@@ -123,7 +124,8 @@ def raw_rows(runs: list[dict]) -> list[dict]:
                     kept = {k: v for k, v in values.items() if isinstance(v, int | float | str)}
                     rows.append({**head, "step": point["step"], "task": task, **kept})
             for point in run["train_curve"]:
-                rows.append({**head, "task": "_train", **point})
+                if point["step"] == 1 or point["step"] % TRAIN_EVERY == 0:
+                    rows.append({**head, "task": "_train", **point})
         except (KeyError, TypeError, AttributeError) as err:
             raise UserError(f"a run's metrics lack {err}") from None
     return rows
@@ -176,7 +178,8 @@ def _fmt(value: float, spec: str) -> str:
 
 
 def trend_table(rows: list[dict], family: str) -> tuple[str, list[str]]:
-    """The table of one family's trends, and the endpoints that survive Holm."""
+    """The table of one family's trends, and the endpoints that survive Holm, each said with
+    its sign against the one DEL's claim predicts (PRIMARY)."""
     found = trends(rows, family)
     adjusted = holm([t.p for _, t in found])
     lines = [
@@ -184,10 +187,12 @@ def trend_table(rows: list[dict], family: str) -> tuple[str, list[str]]:
         "|---|---|---|---|---|---|---|",
     ]
     survive = []
-    for ((_, _, label, _), t), p_holm in zip(found, adjusted, strict=True):
+    for ((_, _, label, predicted), t), p_holm in zip(found, adjusted, strict=True):
         mark = " **✱**" if p_holm < FAMILY_WIDE else ""
         if mark:
-            survive.append(label)
+            sign = "up" if t.slope > 0 else "down"
+            side = "as DEL's claim predicts" if sign == predicted else "against DEL's claim"
+            survive.append(f"{label} ({sign} with α, {side})")
         lines.append(
             f"| {label} | {_fmt(t.slope, '+.4f')}{mark} | {_fmt(t.se, '.4f')} | "
             f"{_fmt(t.t, '+.2f')} ({t.df}) | {_fmt(t.p, '.3f')} | {_fmt(p_holm, '.3f')} | "
@@ -336,10 +341,11 @@ def report(
     largest = max((t.mde for _, t in found if not math.isnan(t.mde)), default=math.nan)
     if survive:
         verdict = (
-            "The DEL arm's trend in log α survives Holm's correction on: "
-            + "; ".join(survive)
-            + ". Every other primary endpoint shows no trend at this power."
+            f"The DEL arm's trend in log α survives Holm's correction on {len(survive)} of "
+            f"{len(PRIMARY)} primary endpoints: " + "; ".join(survive) + "."
         )
+        if len(survive) < len(PRIMARY):
+            verdict += " The others show no trend at this power (the 'detectable' column)."
     else:
         verdict = (
             "No primary endpoint's trend survives Holm's correction. This is an absence of "
@@ -360,7 +366,8 @@ def report(
 
 `{command}`, {date}, {took}{machine}.
 
-Protocol: {json.dumps(protocol)}
+Protocol: {json.dumps({k: v for k, v in protocol.items() if k != "arms"})}; arms:
+{", ".join(a["name"] for a in protocol.get("arms", []))}.
 
 {len(seeds)} shared bases (MLE, one per seed, to step {protocol.get("base_steps")}); every
 arm continues each base for {protocol.get("steps")} steps from its weights (a fresh optimizer,

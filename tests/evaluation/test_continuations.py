@@ -61,7 +61,7 @@ def fake_run(kind: str, seed: int, family: str, alpha: float, slope: float) -> d
         }
     curve = [{"step": 10, "tasks": tasks}]
     train = [
-        {"step": s, "digit_logsumexp": 5.0 - s / 10 * (alpha if family else 0)} for s in (5, 10)
+        {"step": s, "digit_logsumexp": 5.0 - s / 10 * (alpha if family else 0)} for s in (1, 25)
     ]
     return {
         "kind": kind,
@@ -89,7 +89,8 @@ def test_the_page_claims_what_survives_holm_and_regenerates_from_raw_rows(tmp_pa
     out = tmp_path / "report"
     page = cr.write_report(runs(0.05), out, protocol={"steps": 10}, command="cmd", minutes=1.0)
     text = page.read_text()
-    assert "survives Holm's correction on: add: digit accuracy." in text
+    said = "survives Holm's correction on 1 of 7 primary endpoints: add: digit accuracy"
+    assert f"{said} (up with α, as DEL's claim predicts)." in text
     primary = text.split("## Pre-registered")[1].split("## The digit logits")[0]
     starred = [line for line in primary.splitlines() if line.startswith("|") and "✱" in line]
     assert len(starred) == 1, primary
@@ -134,3 +135,12 @@ def test_every_arm_of_a_base_continues_its_weights_on_one_data_order(tmp_path):
     }
     assert "train.steps=1000" in bases
     json.dumps(protocol.fingerprint())  # recorded in protocol.json
+
+
+def test_the_committed_page_regenerates_from_its_raw_rows(tmp_path):
+    """docs/results/continuations/: the page is what its raw rows and protocol.json make."""
+    from ..distributed.launcher import ROOT
+
+    committed = ROOT / "docs" / "results" / "continuations"
+    assert cr.main([str(committed / "raw_runs.jsonl"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "report.md").read_text() == (committed / "report.md").read_text()
