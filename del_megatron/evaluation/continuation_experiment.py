@@ -30,14 +30,12 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
 from ..outputs import write_text_atomic
-from .task_experiment import CONFIG, Children, prepare_data
+from .task_experiment import CONFIG, Children, prepare_data, side_by_side
 
 
 @dataclass(frozen=True)
@@ -314,20 +312,7 @@ def run_all(protocol: Protocol, root: Path, *, jobs: int, say=print) -> list[Run
             say(progress_line(finished[0], len(every), run, metrics, eta))
 
     for stage in (bases, continuations):  # a continuation needs its base
-        pool = ThreadPoolExecutor(max_workers=jobs)
-        try:
-            for future in [pool.submit(one, r) for r in stage if not r.done]:
-                while True:  # woken each second: a signal is handled by this thread only
-                    try:
-                        future.result(timeout=1.0)
-                        break
-                    except FuturesTimeout:
-                        continue
-        except BaseException:
-            children.stop()
-            raise
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        side_by_side([r for r in stage if not r.done], one, jobs, children)
     return continuations
 
 

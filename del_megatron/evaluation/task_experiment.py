@@ -242,6 +242,26 @@ def progress_line(done: int, total: int, run: Run, metrics: dict, eta_s: float) 
 Worker = Callable[[Protocol, Run, Path, Children], dict]
 
 
+def side_by_side(todo: list, one: Callable, jobs: int, children: Children) -> None:
+    """`one(item)` for every item, `jobs` at a time. The main thread waits a second at a time
+    (a signal is handled by that thread only) and, on any failure or stop, ends every child
+    before the pool is shut down."""
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        for future in [pool.submit(one, item) for item in todo]:
+            while True:
+                try:
+                    future.result(timeout=1.0)
+                    break
+                except FuturesTimeout:
+                    continue
+    except BaseException:
+        children.stop()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def run_protocol(
     protocol: Protocol,
     root: Path,
@@ -278,20 +298,7 @@ def run_protocol(
             eta = (time.monotonic() - started) / new * left  # `jobs` at a time, as so far
             say(progress_line(finished[0], len(runs), run, metrics, eta))
 
-    pool = ThreadPoolExecutor(max_workers=jobs)
-    try:
-        for future in [pool.submit(one, r) for r in todo]:
-            while True:  # woken each second: a signal is handled by this thread only
-                try:
-                    future.result(timeout=1.0)
-                    break
-                except FuturesTimeout:
-                    continue
-    except BaseException:
-        children.stop()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    side_by_side(todo, one, jobs, children)
     return runs
 
 
