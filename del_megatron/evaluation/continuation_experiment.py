@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..outputs import write_text_atomic
-from .task_experiment import CONFIG, Children, prepare_data, side_by_side
+from .task_experiment import CONFIG, Children, check_root, prepare_data, side_by_side
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ class Protocol:
     arms: tuple[Arm, ...] = field(default=ARMS)
 
     def fingerprint(self) -> dict:
-        return asdict(self)
+        """What makes two experiments' runs the same runs, as protocol.json holds it."""
+        return json.loads(json.dumps(asdict(self)))
 
 
 # ~75 core-minutes: 4 bases x 1000 steps + 4 x 12 continuations x 300 steps, evaluated.
@@ -152,21 +153,6 @@ def continuations_of(protocol: Protocol, root: Path) -> list[Run]:
 
 def base_checkpoint(protocol: Protocol, root: Path, seed: int) -> Path:
     return root / "bases" / f"mle-{seed}" / "checkpoints" / f"step-{protocol.base_steps:07d}"
-
-
-def check_root(protocol: Protocol, root: Path) -> None:
-    record = root / "protocol.json"
-    mine = json.loads(json.dumps(protocol.fingerprint()))
-    if record.is_file():
-        theirs = json.loads(record.read_text())
-        if theirs != mine:
-            changed = sorted(k for k in mine if theirs.get(k) != mine[k])
-            raise UserError(
-                f"{root} holds runs of another protocol ({', '.join(changed)} differ): "
-                "choose another --root, or remove it to start again"
-            )
-        return
-    write_text_atomic(record, json.dumps(mine, indent=1) + "\n")
 
 
 def train_command(protocol: Protocol, run: Run, data: Path, root: Path) -> list[str]:
@@ -350,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         written = write_report(
             bases + metrics,
             out,
-            protocol=json.loads(json.dumps(protocol.fingerprint())),
+            protocol=protocol.fingerprint(),
             command=command,
             minutes=(time.monotonic() - started) / 60,
         )
