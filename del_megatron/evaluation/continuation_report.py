@@ -29,6 +29,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..outputs import write_text_atomic
 from .effects import holm, t_interval
+from .task_report import read_raw  # the same raw-row format: one JSON object a line
 
 # (task, metric, label, the direction DEL's claim predicts): the pre-registered endpoints
 PRIMARY = (
@@ -102,7 +103,6 @@ def trend(points: list[tuple[int, float, float]], tests: int) -> Trend:
 
 # ---- raw rows ----------------------------------------------------------------------------
 
-KEYS = ("kind", "seed", "step", "task")
 TRAIN_EVERY = 25  # the training rows kept: step 1 and every this many (metrics.jsonl has all)
 
 
@@ -128,19 +128,6 @@ def raw_rows(runs: list[dict]) -> list[dict]:
                     rows.append({**head, "task": "_train", **point})
         except (KeyError, TypeError, AttributeError) as err:
             raise UserError(f"a run's metrics lack {err}") from None
-    return rows
-
-
-def read_raw(path: Path) -> list[dict]:
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        try:
-            row = json.loads(line)
-            if not all(k in row for k in KEYS):
-                raise KeyError(f"one of {KEYS}")
-        except (json.JSONDecodeError, KeyError) as err:
-            raise UserError(f"{path} line {number}: not a raw row ({err})") from None
-        rows.append(row)
     return rows
 
 
@@ -454,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     try:
+        if not a.raw.is_file():
+            raise UserError(f"{a.raw}: does not exist (the raw rows, raw_runs.jsonl)")
         recorded = json.loads((a.raw.parent / "protocol.json").read_text())
         write_outputs(read_raw(a.raw), a.out, recorded)
     except (UserError, OSError, json.JSONDecodeError, KeyError) as err:
