@@ -77,7 +77,9 @@ start() {
     return 0
   fi
   mkdir -p "$STATE"
-  dockerd --pidfile "$STATE/dockerd.pid" >>"$STATE/dockerd.log" 2>&1 &
+  # without prepare's lock (fd 9): a dockerd holding it would keep every later prepare (the
+  # test's, after CI's in the background) waiting on it for as long as the engine runs
+  dockerd --pidfile "$STATE/dockerd.pid" >>"$STATE/dockerd.log" 2>&1 9>&- &
   touch "$STATE/dockerd-started-here"
   for _ in $(seq 120); do
     if "$docker" info >/dev/null 2>&1; then
@@ -181,7 +183,11 @@ a().create_op_builder('ShareMemCommBuilder').load()" >"$STATE/ops.log" 2>&1 ||
 prepare() {
   mkdir -p "$STATE"
   exec 9>"$STATE/prepare.lock"
-  flock 9 # one prepare at a time: CI's in the background, then the test's
+  # one prepare at a time: CI's in the background, then the test's
+  if ! flock -n 9; then
+    say "waiting for the prepare already running (lock: $STATE/prepare.lock; its phases so far: $(tr '\n' ' ' <"$STATE/timings.new" 2>/dev/null))"
+    flock 9
+  fi
   : >"$STATE/timings.new"
   timed engine start
   docker=$(client)

@@ -25,9 +25,10 @@ from del_megatron.cli.train import EXIT_STOPPED
 
 from ..distributed.launcher import ROOT
 
-PREPARE_TIMEOUT_S = 3600
 # The first test's setup waits for the images (CI builds them in the background while the
-# main job and the rest of the suite share its 2 cores): the suite's 900 s a test is too short
+# main job and the rest of the suite share its 2 cores; about 6 min on an idle 2-core machine
+# from nothing): the suite's 900 s a test is too short, CI's 90 min in all too short for more
+PREPARE_TIMEOUT_S = 1800
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(PREPARE_TIMEOUT_S + 900)]
 
 ENGINE = ROOT / "tests" / "docker" / "engine.sh"
@@ -83,6 +84,15 @@ def engine() -> Engine:
     )
     try:
         _, stderr = proc.communicate(timeout=PREPARE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        timings = found.state / "timings.new"
+        done = timings.read_text().split("\n") if timings.is_file() else []
+        pytest.fail(
+            f"the images were not ready within {PREPARE_TIMEOUT_S} s; phases done (seconds): "
+            f"{' '.join(done)}; its output:\n{stderr[-5000:]}"
+        )
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
