@@ -87,6 +87,9 @@ def measure(stage: int, sizes: dict) -> dict:
 
     def snapshot(grad):
         if watching[0]:
+            # what is reachable: garbage in reference cycles that the collector has not yet
+            # reached (when it runs depends on allocation counts) was once counted too
+            gc.collect()
             mine = {x.untyped_storage().data_ptr(), grad.untyped_storage().data_ptr()}
             snapshots.append(live_bytes(baseline | mine))
 
