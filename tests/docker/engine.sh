@@ -78,8 +78,10 @@ start() {
   fi
   mkdir -p "$STATE"
   # without prepare's lock (fd 9): a dockerd holding it would keep every later prepare (the
-  # test's, after CI's in the background) waiting on it for as long as the engine runs
-  dockerd --pidfile "$STATE/dockerd.pid" >>"$STATE/dockerd.log" 2>&1 9>&- &
+  # test's, after CI's in the background) waiting on it for as long as the engine runs; in
+  # its own session: a prepare stopped with its process group (the test's timeout) leaves
+  # the engine to `stop`
+  setsid dockerd --pidfile "$STATE/dockerd.pid" >>"$STATE/dockerd.log" 2>&1 9>&- &
   touch "$STATE/dockerd-started-here"
   for _ in $(seq 120); do
     if "$docker" info >/dev/null 2>&1; then
@@ -185,7 +187,7 @@ prepare() {
   exec 9>"$STATE/prepare.lock"
   # one prepare at a time: CI's in the background, then the test's
   if ! flock -n 9; then
-    say "waiting for the prepare already running (lock: $STATE/prepare.lock; its phases so far: $(tr '\n' ' ' <"$STATE/timings.new" 2>/dev/null))"
+    say "waiting for the prepare already running (lock: $STATE/prepare.lock; its phases so far: $(tr '\n' ' ' 2>/dev/null <"$STATE/timings.new"))"
     flock 9
   fi
   : >"$STATE/timings.new"

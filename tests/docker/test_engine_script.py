@@ -55,6 +55,7 @@ def test_a_dockerd_started_by_prepare_does_not_hold_its_lock(tmp_path):
         assert "dockerd started" in proc.stderr, proc.stderr
         assert proc.returncode != 0  # the failing debootstrap
         os.kill(pid, 0)  # the engine runs on after prepare
+        assert os.getsid(pid) == pid  # in its own session: a stopped prepare's group is not it
         free = subprocess.run(
             ["flock", "-n", str(state / "prepare.lock"), "true"], capture_output=True, timeout=30
         )
