@@ -607,7 +607,7 @@ def megatron_bridge_step(ref: Reference, directory: str) -> str:
         expected = stage_tensor(ref.final, chunk, name, param, layout, False)
         assert_close(param, expected, atol=LR / 100, what=f"weight {name} after {STEPS} steps")
     parallel_state.destroy_model_parallel()
-    return f"{len(losses)} report keys"
+    return f"{len(losses)} report keys: {', '.join(losses)}"
 
 
 # ---- EMO's cost embedding in megatron's distributed checkpoints -------------------------
