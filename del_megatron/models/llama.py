@@ -116,10 +116,35 @@ def build_llama(
         loss_config=loss_config,
         promise_scaled_loss=promise_scaled_loss,
     )
+    if weights_follow:
+        mark_tensor_parallel(model)
     model = apply_device_shims(model, device)
     if any(p.is_meta for p in model.parameters()):
         return model  # built under torch.device("meta"): shapes without memory, for checks
     return model.to(device)
+
+
+def mark_tensor_parallel(model: torch.nn.Module) -> None:
+    """The tensor-parallel attributes (`tensor_model_parallel`, `partition_dim`,
+    `partition_stride`) on every partitioned parameter that lacks them. megatron's local
+    layers set them inside their random initialization (`_initialize_affine_weight_cpu`,
+    `_gpu`), which `perform_initialization=False` skips: without them DeepSpeed's and
+    megatron's gradient norms count a partitioned gradient as a copy of tensor-parallel
+    rank 0's (only rank 0's shard enters the norm, and the clip follows the wrong norm),
+    and a gather of the full weights takes one shard for the whole."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from .hf_tensors import canonical
+    from .sharding import partition_of
+
+    for name, param in model.named_parameters():
+        partition = partition_of(canonical(name))
+        if partition is not None and not getattr(param, "tensor_model_parallel", False):
+            dim, stride = partition
+            for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+                if hasattr(param, attribute):  # megatron asserts none is set before
+                    delattr(param, attribute)
+            set_tensor_model_parallel_attributes(param, True, dim, stride)
 
 
 def _tp_size() -> int:
