@@ -56,6 +56,21 @@ class ParallelConfig(_Section):
     sequence_parallel: bool = False
     """Not supported with DeepSpeed (it does not all-reduce layer-norm gradients across
     tensor-parallel ranks): refused."""
+    pipeline_parallel: int = Field(default=1, ge=1)
+    """Pipeline stages (train.engine=megatron only): each stage holds a contiguous block of
+    layers, the first the embedding, the last the output layer and the numeric loss head;
+    world = tensor parallel x pipeline parallel x data parallel."""
+    virtual_pipeline_parallel: int | None = Field(default=None, ge=2)
+    """Model chunks per pipeline stage (megatron's interleaved 1F1B schedule: a smaller
+    pipeline bubble for more point-to-point traffic); model.num_layers must split evenly
+    into pipeline_parallel x this, and the micro-batches per step into pipeline_parallel."""
+    first_stage_layers: int | None = Field(default=None, ge=0)
+    """Layers of the first pipeline stage when they do not split evenly (megatron's
+    num_layers_in_first_pipeline_stage; Megatron-LM's --decoder-first-pipeline-num-layers):
+    the embedding's stage often takes fewer. The other layers split evenly over the rest."""
+    last_stage_layers: int | None = Field(default=None, ge=0)
+    """Layers of the last pipeline stage (megatron's num_layers_in_last_pipeline_stage):
+    the stage of the output layer and the loss head, at a large vocabulary the heaviest."""
 
 
 class OptimConfig(_Section):
@@ -114,6 +129,17 @@ class TrainConfig(_Section):
     max_nonfinite_steps: int = Field(default=5, gt=0)
     """Stop after this many optimizer steps in a row with non-finite loss or gradients
     (each is skipped by the ZeRO optimizer: no update, no schedule step)."""
+    engine: Literal["deepspeed", "megatron"] = "deepspeed"
+    """What runs the step: `deepspeed` (ZeRO 1-3 over data-parallel ranks, tensor parallel,
+    the layout-free checkpoints) or `megatron`: megatron-core's own engine (its
+    DistributedDataParallel, its optimizer, distributed on GPU, and its schedules through
+    get_forward_backward_func, so parallel.pipeline_parallel and virtual stages). The
+    megatron engine writes no checkpoints yet: it needs train.checkpoints=false
+    (docs/architecture.md, "Engines")."""
+    checkpoints: bool = True
+    """Write checkpoints (save_interval, at the end, on a stop signal); false: none (a
+    benchmark, a throwaway run, the megatron engine for now). A stop signal then ends the
+    run with nothing to continue from."""
 
 
 class DataSection(_Section):
@@ -220,6 +246,9 @@ class RunConfig(_Section):
                 f"train.global_batch_size={self.train.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.train.micro_batch_size}"
             )
+        engine_problem = _engine_problem(self)
+        if engine_problem:
+            raise ValueError(engine_problem)
         if self.parallel.sequence_parallel:
             raise ValueError(
                 "parallel.sequence_parallel=true is not supported: DeepSpeed does not all-reduce "
@@ -270,7 +299,14 @@ class RunConfig(_Section):
         )
 
     def data_parallel_size(self, world_size: int) -> int:
-        tp = self.parallel.tensor_parallel
+        tp, pp = self.parallel.tensor_parallel, self.parallel.pipeline_parallel
+        if pp > 1 and world_size % (tp * pp):
+            raise ConfigError(
+                f"world size {world_size} is not a multiple of parallel.tensor_parallel x "
+                f"parallel.pipeline_parallel = {tp} x {pp} (world size = tensor parallel x "
+                f"pipeline parallel x data parallel): start {tp * pp} processes (bash "
+                f"launch/torchrun.sh --nproc-per-node {tp * pp})"
+            )
         if world_size % tp:
             raise ConfigError(
                 f"world size {world_size} is not a multiple of parallel.tensor_parallel={tp} "
@@ -278,7 +314,19 @@ class RunConfig(_Section):
                 f"launch/torchrun.sh --nproc-per-node {tp}, also with --dry-run) or set "
                 f"parallel.tensor_parallel={math.gcd(world_size, tp)}"
             )
-        return world_size // tp
+        return world_size // (tp * pp)
+
+    def layout_text(self, world_size: int) -> str:
+        """'tensor parallel T [x pipeline parallel P[ (V virtual)]] x data parallel D'."""
+        parallel = self.parallel
+        pipeline = ""
+        if parallel.pipeline_parallel > 1:
+            virtual = parallel.virtual_pipeline_parallel
+            pipeline = f" x pipeline parallel {parallel.pipeline_parallel}" + (
+                f" ({virtual} virtual)" if virtual else ""
+            )
+        dp = self.data_parallel_size(world_size)
+        return f"tensor parallel {parallel.tensor_parallel}{pipeline} x data parallel {dp}"
 
     def accumulation_steps(self, world_size: int) -> int:
         dp = self.data_parallel_size(world_size)
@@ -288,7 +336,89 @@ class RunConfig(_Section):
                 f"train.global_batch_size={self.train.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size x data parallel = {self.train.micro_batch_size} x {dp}"
             )
-        return self.train.global_batch_size // per_step
+        accumulation = self.train.global_batch_size // per_step
+        pp, vp = self.parallel.pipeline_parallel, self.parallel.virtual_pipeline_parallel
+        if vp is not None and accumulation % pp:
+            raise ConfigError(
+                f"parallel.virtual_pipeline_parallel={vp}: megatron's interleaved schedule "
+                f"needs the micro-batches of a step ({accumulation} per data-parallel rank) "
+                f"to be a multiple of parallel.pipeline_parallel={pp}; raise "
+                "train.global_batch_size or unset parallel.virtual_pipeline_parallel"
+            )
+        return accumulation
+
+
+def _engine_problem(cfg: RunConfig) -> str | None:
+    """What the run's train.engine cannot do with the rest of the config, in one line (None:
+    nothing)."""
+    parallel, engine = cfg.parallel, cfg.train.engine
+    if engine == "deepspeed":
+        staged = {
+            "pipeline_parallel": parallel.pipeline_parallel > 1,
+            "virtual_pipeline_parallel": parallel.virtual_pipeline_parallel is not None,
+            "first_stage_layers": parallel.first_stage_layers is not None,
+            "last_stage_layers": parallel.last_stage_layers is not None,
+        }
+        for name, given in staged.items():
+            if given:
+                return (
+                    f"parallel.{name} needs train.engine=megatron: megatron-core's pipeline "
+                    "schedules run their own backward, which would bypass the DeepSpeed engine"
+                )
+        return None
+    if cfg.train.checkpoints:
+        return (
+            "train.engine=megatron writes no checkpoints yet (its optimizer state has no "
+            "adapter to the layout-free format): set train.checkpoints=false, or use "
+            "train.engine=deepspeed"
+        )
+    if parallel.virtual_pipeline_parallel is not None:
+        if parallel.pipeline_parallel == 1:
+            return "parallel.virtual_pipeline_parallel needs parallel.pipeline_parallel > 1"
+        chunks = parallel.pipeline_parallel * parallel.virtual_pipeline_parallel
+        uneven = parallel.first_stage_layers is not None or parallel.last_stage_layers is not None
+        if uneven:
+            return (
+                "parallel.first_stage_layers / last_stage_layers with "
+                "parallel.virtual_pipeline_parallel: not supported here (every model chunk "
+                "gets the same number of layers)"
+            )
+        if cfg.model.num_layers % chunks:
+            return (
+                f"model.num_layers={cfg.model.num_layers} does not split into "
+                f"parallel.pipeline_parallel x virtual_pipeline_parallel = {chunks} equal chunks"
+            )
+    elif parallel.pipeline_parallel > 1:
+        return _stage_split_problem(cfg.model.num_layers, parallel)
+    elif parallel.first_stage_layers is not None or parallel.last_stage_layers is not None:
+        return "parallel.first_stage_layers / last_stage_layers need parallel.pipeline_parallel > 1"
+    return None
+
+
+def _stage_split_problem(layers: int, parallel: ParallelConfig) -> str | None:
+    """Whether `layers` split over the pipeline's stages as parallel.first_stage_layers /
+    last_stage_layers ask (megatron's rule: the stages between split the rest evenly)."""
+    pp, first, last = (
+        parallel.pipeline_parallel,
+        parallel.first_stage_layers,
+        parallel.last_stage_layers,
+    )
+    rest, middle = (
+        layers - (first or 0) - (last or 0),
+        pp - (first is not None) - (last is not None),
+    )
+    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+        given = ", ".join(
+            f"parallel.{n}={v}"
+            for n, v in (("first_stage_layers", first), ("last_stage_layers", last))
+            if v is not None
+        )
+        return (
+            f"model.num_layers={layers} does not split over parallel.pipeline_parallel={pp} "
+            f"stages{' with ' + given if given else ''}: the stages "
+            f"{'between ' if given else ''}take equal shares"
+        )
+    return None
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int, *, gpu: bool) -> dict[str, Any]:

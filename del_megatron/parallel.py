@@ -75,9 +75,15 @@ def init_distributed(device: torch.device, timeout_minutes: float) -> tuple[int,
     return dist.get_rank(), dist.get_world_size()
 
 
-def init_model_parallel(tensor_parallel: int, timeout_minutes: int) -> None:
-    """megatron-core's groups, their collectives waiting `timeout_minutes` as the process
-    group's (megatron's own default is 30). No gloo groups beside them: megatron makes them
+def init_model_parallel(
+    tensor_parallel: int,
+    timeout_minutes: float,
+    pipeline_parallel: int = 1,
+    virtual_pipeline_parallel: int | None = None,
+) -> None:
+    """megatron-core's groups (tensor, pipeline with its virtual stages, data), their
+    collectives waiting `timeout_minutes` as the process group's (megatron's own default is
+    30). No gloo groups beside them: megatron makes them
     by default for its own distributed optimizer and checkpointing, which this run does not
     use, and each is a full mesh over the host name's interface at start (the
     GLOO_SOCKET_IFNAME hang of collectives.py's decision)."""
@@ -85,6 +91,8 @@ def init_model_parallel(tensor_parallel: int, timeout_minutes: int) -> None:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_parallel,
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=False,
     )

@@ -261,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             layout = preflight(cfg, world, resume=args.resume)
             start, changes = layout["resume_step"], len(layout["resume_changes"])
             print(
-                f"del-train: checks passed: {world} rank(s), tensor parallel "
-                f"{layout['tensor_parallel']} x data parallel {layout['data_parallel']}, "
+                f"del-train: checks passed: {world} rank(s), {cfg.layout_text(world)}, "
                 + (f"resuming at step {start}" if start is not None else "starting at step 0")
                 + (f" ({changes} change(s), said at the start)" if changes else ""),
                 flush=True,
@@ -295,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{stopped}checkpoint: {result.checkpoint}", flush=True)
             if not result.stopped:
                 print(next_steps(cfg, result.checkpoint), flush=True)
+        elif result.stopped:
+            print("stopped on request; train.checkpoints=false: nothing to continue from")
+    if result.stopped and not result.checkpoint:
+        return 1  # not EXIT_STOPPED: a requeue would start the run again from step 0
     return EXIT_STOPPED if result.stopped else 0
 
 

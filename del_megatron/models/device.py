@@ -218,6 +218,51 @@ def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class MegatronEngineChoices:
+    """What megatron-core's engine (train.engine=megatron) runs on a device."""
+
+    distributed_optimizer: bool  # sharded fp32 masters and moments (CUDA tensors only)
+    overlap: bool  # gradient reduction and parameter all-gather behind compute (buckets)
+    bf16: bool  # bf16 parameters with fp32 masters
+
+
+def megatron_engine_choices(device: torch.device) -> MegatronEngineChoices:
+    """GPU: megatron's distributed optimizer (it refuses CPU tensors: "Wrapped parameters
+    must be one of torch.cuda.FloatTensor ..."), overlapped reductions, bf16; CPU: megatron's
+    FP32 optimizer, reductions after backward, float32."""
+    gpu = device.type == "cuda"
+    return MegatronEngineChoices(distributed_optimizer=gpu, overlap=gpu, bf16=gpu)
+
+
+def megatron_engine_on(device: torch.device) -> None:
+    """Ready megatron-core's schedules, DDP and optimizer for a run on `device`: on CPU their
+    hard-coded CUDA allocations are moved to the CPU (models/megatron_on_cpu.py, a process-
+    wide rebinding in megatron's modules); nothing on GPU."""
+    if device.type == "cpu":
+        from . import megatron_on_cpu
+
+        megatron_on_cpu.rebind()
+
+
+def building_stages(device: torch.device):
+    """Around building pipeline stages on `device`: on CPU, megatron's `tensor.cuda()` of a
+    tied embedding's copy on the last stage keeps the tensor where it is; nothing on GPU."""
+    if device.type == "cpu":
+        from . import megatron_on_cpu
+
+        return megatron_on_cpu.tensor_cuda_stays()
+    return contextlib.nullcontext()
+
+
+def pipeline_overrides(device: torch.device, pipeline_parallel: int) -> dict[str, Any]:
+    """TransformerConfig fields of the pipeline's point-to-point traffic: gloo (CPU)
+    reorders batched sends and receives, so they go one by one there."""
+    if pipeline_parallel > 1 and device.type == "cpu":
+        return {"batch_p2p_comm": False}
+    return {}
+
+
 def seed_rngs(seed: int, *, cuda_tracker: bool) -> None:
     """torch's generators (every device) and, with `cuda_tracker`, megatron's tensor-parallel
     CUDA RNG tracker. A model built for CUDA (`use_cpu_initialization=False`) draws from the

@@ -20,6 +20,20 @@ from .hf_names import Partition, partitions
 PARTITIONS = partitions()
 
 
+def global_name(chunk: torch.nn.Module, name: str) -> str:
+    """A pipeline stage's parameter name as the whole model (one stage) names it: decoder
+    layers by their global number (megatron's `layer_number`, 1-based, counts from the
+    stage's offset), the last stage's copy of a tied embedding as the embedding. At one
+    stage, `name` itself."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number - 1)
+    name = ".".join(parts)
+    if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
+    return name
+
+
 def partition_of(name: str) -> Partition:
     """(dim, stride) of a megatron parameter name, None if replicated."""
     for suffix, partition in PARTITIONS.items():

@@ -13,6 +13,7 @@ import torch
 from .architecture import LlamaArchitecture
 from .hf_config import ConversionError
 from .hf_tensors import canonical, check_hf_tensors, rank_shard
+from .sharding import global_name
 from .weight_files import HFCheckpoint, MegatronWeights
 
 ShardSource = Callable[[str], torch.Tensor]  # canonical name -> this rank's shard
@@ -21,7 +22,8 @@ ShardSource = Callable[[str], torch.Tensor]  # canonical name -> this rank's sha
 def _copy_in(model: torch.nn.Module, shard_of: ShardSource) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
-            shard = shard_of(canonical(name))
+            # a pipeline stage's layers by their number in the whole model
+            shard = shard_of(canonical(global_name(model, name)))
             if tuple(shard.shape) != tuple(param.shape):
                 raise ConversionError(
                     f"{name}: checkpoint shard {tuple(shard.shape)} does not fit the model's "

@@ -15,18 +15,21 @@ def say(message: str) -> None:
         print(f"del-train: {message}", flush=True)
 
 
+def engine_name(cfg: RunConfig) -> str:
+    if cfg.train.engine == "megatron":
+        return "megatron-core's engine"
+    return f"DeepSpeed (ZeRO {cfg.parallel.zero_stage})"
+
+
 def building(cfg: RunConfig, world: int) -> None:
-    tp = cfg.parallel.tensor_parallel
-    say(
-        f"building the model and DeepSpeed (ZeRO {cfg.parallel.zero_stage}) on {world} "
-        f"rank(s), tensor parallel {tp} x data parallel {world // tp}"
-    )
+    say(f"building the model and {engine_name(cfg)} on {world} rank(s), {cfg.layout_text(world)}")
 
 
-def model_built(parameters: int) -> None:
+def model_built(cfg: RunConfig, parameters: int) -> None:
     """Between the model and the engine: DeepSpeed's import and set-up take most of a first
     start's half minute, which a user would otherwise watch in silence."""
-    say(f"model built ({parameters:,} parameters); starting DeepSpeed's engine")
+    engine = "megatron-core's" if cfg.train.engine == "megatron" else "DeepSpeed's"
+    say(f"model built ({parameters:,} parameters); starting {engine} engine")
 
 
 def held_out(cfg: RunConfig, when: str) -> None:

@@ -1,8 +1,9 @@
 """The training loop, top to bottom: shard -> batch -> model -> logits -> loss -> step.
 
-A plain loop (forward, loss hook, engine.backward, engine.step) around a DeepSpeed engine.
-Megatron-core's pipeline schedules call torch.autograd.backward themselves and would bypass
-the engine, so there is no pipeline parallelism.
+Two engines run the step (train.engine): a plain loop (forward, loss hook, engine.backward,
+engine.step) around a DeepSpeed engine, or megatron-core's own engine and schedules
+(training/megatron_engine.py), which alone pipelines: megatron's schedules call
+torch.autograd.backward themselves and would bypass DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -99,20 +100,46 @@ def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
     rank, world = init_distributed(device, timeout)
     dp_size = cfg.data_parallel_size(world)
     accumulation = cfg.accumulation_steps(world)
-    init_model_parallel(cfg.parallel.tensor_parallel, timeout)
+    init_model_parallel(
+        cfg.parallel.tensor_parallel,
+        timeout,
+        cfg.parallel.pipeline_parallel,
+        cfg.parallel.virtual_pipeline_parallel,
+    )
     tokenizer = Tokenizer(cfg.tokenizer_path())
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
             f"tokenizer's {tokenizer.vocab_size} tokens"
         )
+    schedule = schedule or Schedule.of_config(cfg)
+    flops = flops_per_token(cfg.model, cfg.parallel.tensor_parallel, cfg.train.seq_len)
+    common = {
+        "cfg": cfg,
+        "device": device,
+        "rank": rank,
+        "world": world,
+        "dp_rank": parallel_state.get_data_parallel_rank(),
+        "dp_size": dp_size,
+        "accumulation": accumulation,
+        "tokenizer": tokenizer,
+        "schedule": schedule,
+        "flops_per_token": float(flops),
+        "peak_flops": peak_flops(device),
+    }
+    if cfg.train.engine == "megatron":
+        from . import megatron_engine
+
+        chunks = build_stages(cfg, device, tokenizer)
+        engine, lr_scheduler = megatron_engine.build(cfg, device, chunks, schedule)
+        count = megatron_engine.parameter_count(engine, device)
+        progress.model_built(cfg, count * cfg.parallel.tensor_parallel)
+        return Run(engine=engine, scheduler=lr_scheduler, **common)
     model = build_model(cfg, device, tokenizer)
     params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tensor_parallel
-    progress.model_built(params)
+    progress.model_built(cfg, params)
 
     import deepspeed
-
-    schedule = schedule or Schedule.of_config(cfg)
 
     def scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
@@ -124,32 +151,26 @@ def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
         mpu=MegatronMPU(),
         lr_scheduler=scheduler,
     )
-    flops = flops_per_token(cfg.model, cfg.parallel.tensor_parallel, cfg.train.seq_len)
-    return Run(
-        cfg=cfg,
-        device=device,
-        rank=rank,
-        world=world,
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        dp_size=dp_size,
-        accumulation=accumulation,
-        engine=engine,
-        scheduler=lr_scheduler,
-        tokenizer=tokenizer,
-        schedule=schedule,
-        flops_per_token=float(flops),
-        peak_flops=peak_flops(device),
-    )
+    return Run(engine=engine, scheduler=lr_scheduler, **common)
 
 
-def build_model(cfg: RunConfig, device: torch.device, tokenizer) -> torch.nn.Module:
+def build_model(
+    cfg: RunConfig,
+    device: torch.device,
+    tokenizer,
+    *,
+    stage: tuple[bool, bool, int | None] = (True, True, None),
+    **overrides: Any,
+) -> torch.nn.Module:
     """The run's model on `device` (megatron's parallel state initialized): built by the one
     builder (`models/llama.build_llama`: RNGs seeded with train.seed, megatron's random init
     skipped when initial weights load right after), the initial weights loaded, the EMO cost
-    embedding frozen from them."""
+    embedding frozen from them. stage: (pre_process, post_process, vp_stage) of a pipeline
+    stage's model chunk (`megatron_engine.stage_flags`); overrides: TransformerConfig fields."""
     from ..models import build_llama
 
     initial = open_initial_weights(cfg)
+    pre_process, post_process, vp_stage = stage
     model = build_llama(
         cfg.model,
         tokenizer.digit_vocab,
@@ -157,14 +178,37 @@ def build_model(cfg: RunConfig, device: torch.device, tokenizer) -> torch.nn.Mod
         device,
         seed=cfg.train.seed,
         weights_follow=initial is not None,
-        # train_step's backward is engine.backward(loss_sum * scale) of loss_func's sum:
-        # the fused loss's backward scales its gradient on the device, no host read
+        # both engines' backward is of loss_func's sum times one factor (DeepSpeed's
+        # loss_sum * scale, megatron's grad_scale_func): the fused loss's backward scales
+        # its gradient on the device, no host read
         promise_scaled_loss=True,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
         **recompute_overrides(device, cfg.train.activation_checkpointing),
+        **overrides,
     )
     initialize_weights(cfg, model, initial)
     model.freeze_emo_cost_embedding()  # from the weights the run starts from
     return model
+
+
+def build_stages(cfg: RunConfig, device: torch.device, tokenizer) -> list[torch.nn.Module]:
+    """This rank's model chunks for megatron's engine: one per virtual stage of its pipeline
+    stage, each with its layers (megatron numbers them from the stage's offset) and the
+    initial weights of those layers."""
+    from ..models.device import building_stages, pipeline_overrides
+    from .megatron_engine import stage_flags, stage_overrides
+
+    overrides = {
+        **stage_overrides(cfg),
+        **pipeline_overrides(device, cfg.parallel.pipeline_parallel),
+    }
+    chunks = []
+    for flags in stage_flags(cfg.parallel.virtual_pipeline_parallel):
+        with building_stages(device):  # tied embeddings: the last stage's copy
+            chunks.append(build_model(cfg, device, tokenizer, stage=flags, **overrides))
+    return chunks
 
 
 def trace_file(cfg: RunConfig, dp_rank: int) -> str | None:
@@ -217,6 +261,10 @@ def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
     )
 
     def score(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if run.cfg.train.engine == "megatron":
+            from . import megatron_engine
+
+            return megatron_engine.score(run, batch)
         return _forward(run, batch)[2]  # {name: [sum, count]}
 
     run.engine.eval()
@@ -262,16 +310,48 @@ def train_step(
     as the loader gives them). `writing`: whether this rank's checkpoint writer is still at
     work, agreed with the stop signal (the outcome's `writing`).
 
-    Each micro-batch's summed loss is divided by the tokens of the whole global batch (all
-    micro-batches of all data-parallel ranks), then multiplied back by what DeepSpeed divides
-    by (accumulation steps, data-parallel averaging): the step's gradient is that of
+    DeepSpeed: each micro-batch's summed loss is divided by the tokens of the whole global
+    batch (all micro-batches of all data-parallel ranks), then multiplied back by what
+    DeepSpeed divides by (accumulation steps, data-parallel averaging); megatron: its
+    per-token loss (training/megatron_engine.py). Either way the step's gradient is that of
     sum(loss) / tokens over the global batch, whatever the parallel layout.
 
     Counts and metrics stay on the device; the step's one host synchronisation is the
     agreement on the stop signal and on a non-finite loss (`signals.agree`).
     """
-    cfg, engine = run.cfg, run.engine
     start = time.perf_counter()
+    # the gradient probe on a log step's first micro-batch only (its cost: two more passes
+    # of the loss op on it; no host read, its values read with the step's)
+    probe = gradient_probe_due(run.cfg, step)
+    if run.cfg.train.engine == "megatron":
+        from . import megatron_engine
+
+        done = megatron_engine.train_step(run, micro_batches, probe, stop, writing)
+    else:
+        done = _deepspeed_step(run, micro_batches, probe, stop, writing)
+    _count_nonfinite(run, step, done.skipped)
+    seconds = time.perf_counter() - start
+    host = {
+        "skipped_steps": float(run.nonfinite_total),
+        "lr": run.scheduler.get_last_lr()[0],
+        **throughput(run, seconds),
+    }
+    metrics = StepMetrics(done.names, done.pairs, done.grad_norm, host)
+    agreed = done.agreed
+    return StepOutcome(metrics=metrics, stop=agreed.stop, writing=agreed.writing, seconds=seconds)
+
+
+def _deepspeed_step(
+    run: Run,
+    micro_batches: list[dict[str, torch.Tensor]],
+    probe: bool,
+    stop: StopRequest | None,
+    writing: bool,
+):
+    """The step on the DeepSpeed engine: each micro-batch's forward, backward and step."""
+    from .megatron_engine import EngineStep
+
+    engine = run.engine
     micro_batches = [batch_to_device(b, run.device) for b in micro_batches]
     tokens = torch.stack([b["loss_mask"].sum() for b in micro_batches]).sum().double()
     collectives.all_reduce(tokens, group=run.dp_group)
@@ -280,9 +360,6 @@ def train_step(
     scale = (tokens.new_full((), run.dp_size * run.accumulation) / tokens.clamp(min=1.0)).float()
     totals = PairSum()
     skipped_before = engine.skipped_steps
-    # the gradient probe on a log step's first micro-batch only (its cost: two more passes
-    # of the loss op on it; no host read, its values read with the step's)
-    probe = gradient_probe_due(cfg, step)
     for micro, batch in enumerate(micro_batches):
         loss_sum, _, report = _forward(run, batch, probe=probe and micro == 0)
         engine.backward(loss_sum * scale)
@@ -293,33 +370,31 @@ def train_step(
     agreed = agree(stop, ~torch.isfinite(local_loss), writing)
     # The ZeRO optimizer skips a step whose gradient norm is not finite (NaN/inf loss
     # included): no update and no schedule step. Both signs are agreed by every rank (the
-    # overflow check inside DeepSpeed, the loss flag in `agree`). Count them; stop after
-    # too many.
-    if engine.skipped_steps > skipped_before or agreed.nonfinite:
-        run.nonfinite_in_a_row += 1
-        run.nonfinite_total += 1
-        if run.is_main:
-            print(
-                f"step {step}: non-finite loss or gradients, step skipped "
-                f"({run.nonfinite_in_a_row} in a row, {run.nonfinite_total} in all)",
-                flush=True,
-            )
-        if run.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
-            raise NonFiniteError(
-                f"{run.nonfinite_in_a_row} optimizer steps in a row (up to step {step}) "
-                "had non-finite loss or gradients; lower optim.lr, check the data, or raise "
-                "train.max_nonfinite_steps"
-            )
-    else:
+    # overflow check inside DeepSpeed, the loss flag in `agree`).
+    skipped = engine.skipped_steps > skipped_before or agreed.nonfinite
+    return EngineStep(names, pairs, engine.get_global_grad_norm(), agreed, skipped)
+
+
+def _count_nonfinite(run: Run, step: int, skipped: bool) -> None:
+    """Count the skipped steps (non-finite loss or gradients); stop after too many in a
+    row."""
+    if not skipped:
         run.nonfinite_in_a_row = 0
-    seconds = time.perf_counter() - start
-    host = {
-        "skipped_steps": float(run.nonfinite_total),
-        "lr": run.scheduler.get_last_lr()[0],
-        **throughput(run, seconds),
-    }
-    metrics = StepMetrics(names, pairs, engine.get_global_grad_norm(), host)
-    return StepOutcome(metrics=metrics, stop=agreed.stop, writing=agreed.writing, seconds=seconds)
+        return
+    run.nonfinite_in_a_row += 1
+    run.nonfinite_total += 1
+    if run.is_main:
+        print(
+            f"step {step}: non-finite loss or gradients, step skipped "
+            f"({run.nonfinite_in_a_row} in a row, {run.nonfinite_total} in all)",
+            flush=True,
+        )
+    if run.nonfinite_in_a_row >= run.cfg.train.max_nonfinite_steps:
+        raise NonFiniteError(
+            f"{run.nonfinite_in_a_row} optimizer steps in a row (up to step {step}) "
+            "had non-finite loss or gradients; lower optim.lr, check the data, or raise "
+            "train.max_nonfinite_steps"
+        )
 
 
 def gradient_probe_due(cfg: RunConfig, step: int) -> bool:
@@ -363,6 +438,12 @@ def train(
     # StopRequest first: a signal during set-up is a stop, not a kill
     with StopRequest() as stop, contextlib.ExitStack() as held:
         path = checkpoint.resolve(resume, cfg.output_dir)
+        if path is not None and cfg.train.engine == "megatron":
+            raise ConfigError(
+                f"--resume {resume}: {path} cannot be loaded by train.engine=megatron yet (its "
+                "optimizer state has no adapter); continue it with train.engine=deepspeed"
+            )
+        save = save and cfg.train.checkpoints
         changes = resume_changes.review(path, cfg, resume) if path is not None else None
         for line in changes.lines if changes else []:
             progress.say(line)

@@ -1,0 +1,289 @@
+"""megatron-core's own engine (train.engine=megatron): this rank's pipeline stage as model
+chunks (one per virtual stage) wrapped in megatron-core's DistributedDataParallel, its
+optimizer, and one step as Megatron-LM's `train_step` takes it, through
+`get_forward_backward_func()` (no pipelining, 1F1B, interleaved 1F1B).
+
+The step's gradient is that of sum(loss) / tokens over the global batch, as the deepspeed
+engine's: megatron's per-token loss (`calculate_per_token_loss`), whose schedules sum the
+micro-batches' loss sums and whose `finalize_model_grads` divides the gradients by the
+global batch's token count (all-reduced over data-parallel ranks, sent from the last stage).
+A step with a non-finite loss or gradient norm, agreed by every rank, is skipped as the ZeRO
+optimizer skips it (no update, no schedule step).
+
+Device choices (the distributed optimizer and overlapped reductions on GPU, what megatron
+needs on CPU) come from models/device.py; the engine reads none of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives
+from ..models.device import batch_to_device, megatron_engine_choices, megatron_engine_on
+from .metrics import PairSum
+from .signals import Agreement, StopRequest, agree
+
+
+@dataclass
+class MegatronEngine:
+    """What the loop steps: this stage's DDP-wrapped model chunks (virtual stages in order),
+    megatron's optimizer and the chunks' TransformerConfig with the loop's hooks set."""
+
+    chunks: list[Any]
+    optimizer: Any
+    config: Any
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The model chunks themselves (NumericLossGPTModel), without DDP."""
+        return [chunk.module for chunk in self.chunks]
+
+    def train(self) -> None:
+        for chunk in self.chunks:
+            chunk.train()
+
+    def eval(self) -> None:
+        for chunk in self.chunks:
+            chunk.eval()
+
+
+@dataclass
+class EngineStep:
+    """One step's outcome as the loop reads it, the same for both engines."""
+
+    names: list[str]
+    pairs: torch.Tensor  # [metrics, 2] float64, reduced over data-parallel ranks
+    grad_norm: float | torch.Tensor | None  # before clipping
+    agreed: Agreement
+    skipped: bool  # agreed: no update this step
+
+
+def stage_flags(vp: int | None) -> list[tuple[bool, bool, int | None]]:
+    """(pre_process, post_process, vp_stage) of each model chunk of this rank: the
+    embedding on the first chunk of the first stage, the output layer and the loss head on
+    the last chunk of the last stage."""
+    from megatron.core import parallel_state
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    chunks = vp or 1
+    return [
+        (
+            pp_rank == 0 and v == 0,
+            pp_rank == pp - 1 and v == chunks - 1,
+            v if vp else None,
+        )
+        for v in range(chunks)
+    ]
+
+
+def stage_overrides(cfg) -> dict[str, Any]:
+    """TransformerConfig fields of the engine: megatron's per-token loss (what makes the sum
+    over micro-batches the global batch's loss), the uneven first and last stages."""
+    fields: dict[str, Any] = {"calculate_per_token_loss": True}
+    if cfg.parallel.first_stage_layers is not None:
+        fields["num_layers_in_first_pipeline_stage"] = cfg.parallel.first_stage_layers
+    if cfg.parallel.last_stage_layers is not None:
+        fields["num_layers_in_last_pipeline_stage"] = cfg.parallel.last_stage_layers
+    return fields
+
+
+def build(cfg, device: torch.device, chunks: list[torch.nn.Module], schedule) -> tuple:
+    """(MegatronEngine, its learning-rate scheduler) around this rank's built chunks."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    megatron_engine_on(device)
+    choices = megatron_engine_choices(device)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=choices.overlap,
+        use_distributed_optimizer=choices.distributed_optimizer,
+        overlap_param_gather=choices.overlap and choices.distributed_optimizer,
+    )
+    # bucketing on the first chunk only, as Megatron-LM's get_model does
+    wrapped = [
+        DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
+        for i, c in enumerate(chunks)
+    ]
+    optim = cfg.optim
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=optim.lr,
+            min_lr=optim.min_lr,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.beta1,
+            adam_beta2=optim.beta2,
+            adam_eps=optim.eps,
+            clip_grad=optim.clip_grad,
+            bf16=choices.bf16,
+            params_dtype=chunks[0].config.params_dtype,
+            use_distributed_optimizer=choices.distributed_optimizer,
+        ),
+        wrapped,
+        use_gloo_process_groups=False,  # none exist (parallel.init_model_parallel)
+    )
+    config = chunks[0].config
+    # what Megatron-LM's train() sets before its loop
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    if choices.overlap:
+        sync = [c.start_grad_sync for c in wrapped]
+        config.grad_sync_func = sync if len(wrapped) > 1 else sync[0]
+    config.finalize_model_grads_func = finalize_model_grads
+    return MegatronEngine(wrapped, optimizer, config), LambdaSchedules(optimizer, schedule.factor)
+
+
+class LambdaSchedules:
+    """torch's LambdaLR on each torch optimizer megatron's optimizer holds (one, or one per
+    chained group), stepped together: the deepspeed engine's schedule."""
+
+    def __init__(self, optimizer, factor) -> None:
+        inner = getattr(optimizer, "chained_optimizers", [optimizer])
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o.optimizer, factor) for o in inner]
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+
+def _forward_step_func(device: torch.device, seq_len: int, probe: bool):
+    """The forward step megatron's schedules call per micro-batch and model chunk: what the
+    chunk needs of the host batch moved to the device (tokens and positions on the first
+    stage, labels and loss mask on the last, nothing between), the model, and the loss
+    function bound to the micro-batch's mask. probe: the gradient probe on the last stage's
+    first micro-batch."""
+    from ..models import loss_func
+
+    probes_left = [probe]
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        chunk = model.module
+        tokens = positions = labels = loss_mask = None
+        extra = {}
+        if chunk.pre_process:
+            tokens = _on(device, batch, "tokens")["tokens"]
+            positions = torch.arange(seq_len, device=device).expand_as(tokens)
+        if chunk.post_process:
+            on_device = _on(device, batch, "labels", "loss_mask")
+            labels, loss_mask = on_device["labels"], on_device["loss_mask"]
+            if probes_left.pop() if probes_left else False:
+                extra["numeric_grad_probe"] = True
+        output = model(tokens, positions, None, labels=labels, loss_mask=loss_mask, **extra)
+        return output, partial(loss_func, loss_mask)
+
+    return forward_step
+
+
+def _on(device: torch.device, batch: dict, *names: str) -> dict[str, torch.Tensor]:
+    """`names` of `batch` on the compute device (a held-out batch is there already)."""
+    host = {n: batch[n] for n in names if batch[n].device != device}
+    return {n: batch[n] for n in names} | batch_to_device(host, device)
+
+
+def _schedule(run, micro_batches: list[dict], *, forward_only: bool, probe: bool) -> list:
+    """The micro-batches through megatron's schedule: the report of each on the last stage,
+    nothing elsewhere."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    chunks = run.engine.chunks
+    iterators = [iter(micro_batches) for _ in chunks]
+    batch = micro_batches[0]["tokens"]
+    return get_forward_backward_func()(
+        forward_step_func=_forward_step_func(run.device, batch.shape[1], probe),
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=batch.shape[1],
+        micro_batch_size=batch.shape[0],
+        forward_only=forward_only,
+    )
+
+
+def stage_reports(reports: list[dict], device: torch.device) -> tuple[list[str], torch.Tensor]:
+    """(names, [metrics, 2] float64) of the last stage's reports summed over micro-batches,
+    on every stage of the pipeline (the console, the metrics and the stop agreement read them
+    on any rank); not yet reduced over data-parallel ranks."""
+    from megatron.core import parallel_state
+
+    totals = PairSum()
+    for report in reports:
+        totals.add(report)
+    names = sorted(totals.totals)
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        pairs = torch.stack([totals.totals[n] for n in names])
+        return names, pairs
+    group = parallel_state.get_pipeline_model_parallel_group()
+    last = parallel_state.get_pipeline_model_parallel_last_rank()
+    sent = [names]
+    dist.broadcast_object_list(sent, src=last, group=group)  # the names: host, a few bytes
+    names = sent[0]
+    if totals.totals:
+        pairs = torch.stack([totals.totals[n] for n in names])
+    else:
+        pairs = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
+    return names, collectives.all_reduce(pairs, group=group)  # one stage holds them
+
+
+def train_step(
+    run, micro_batches: list[dict], probe: bool, stop: StopRequest | None, writing: bool
+) -> EngineStep:
+    """One optimizer step over this rank's micro-batches (host tensors)."""
+    from megatron.core import parallel_state
+
+    engine = run.engine
+    for chunk in engine.chunks:
+        chunk.zero_grad_buffer()
+    engine.optimizer.zero_grad()
+    reports = _schedule(run, micro_batches, forward_only=False, probe=probe)
+    names, pairs = stage_reports(reports, run.device)
+    local_loss = pairs[names.index("lm loss"), 0]  # this data-parallel rank's loss sum
+    dp_pairs = collectives.all_reduce(pairs, group=parallel_state.get_data_parallel_group())
+    agreed = agree(stop, ~torch.isfinite(local_loss), writing)
+    if agreed.nonfinite:
+        return EngineStep(names, dp_pairs, None, agreed, skipped=True)
+    # the norm before megatron's step, so a non-finite one skips the step (megatron's own
+    # step would apply it under bf16, having no loss scaler to find it); it is a host
+    # float reduced over the model-parallel ranks, the same on every rank
+    found_inf = engine.optimizer.prepare_grads()
+    norm = engine.optimizer.get_grad_norm()
+    if found_inf or not math.isfinite(norm):
+        return EngineStep(names, dp_pairs, norm, agreed, skipped=True)
+    engine.optimizer.step()
+    run.scheduler.step()
+    return EngineStep(names, dp_pairs, norm, agreed, skipped=False)
+
+
+def score(run, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One held-out batch's report {name: [sum, count]} on every stage (forward only)."""
+    names, pairs = stage_reports(
+        _schedule(run, [batch], forward_only=True, probe=False), run.device
+    )
+    return {name: pairs[i] for i, name in enumerate(names)}
+
+
+def parameter_count(engine: MegatronEngine, device: torch.device) -> int:
+    """The parameters every stage holds, summed over the pipeline (a tied embedding counts
+    on the first and the last stage, as each holds a copy), times tensor parallel's shards
+    as the caller counts them."""
+    from megatron.core import parallel_state
+
+    local = sum(p.numel() for m in engine.modules for p in m.parameters())
+    count = torch.tensor([float(local)], dtype=torch.float64, device=device)
+    collectives.all_reduce(count, group=parallel_state.get_pipeline_model_parallel_group())
+    return int(count.item())  # once, at start
