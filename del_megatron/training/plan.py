@@ -68,17 +68,65 @@ def flops_per_token(arch: LlamaArchitecture, tp: int, seq_len: int) -> int:
     return 6 * matmul_weights + 6 * core_attention
 
 
-def rank_tensors(arch: LlamaArchitecture, tp: int) -> list[int]:
+def rank_tensors(
+    arch: LlamaArchitecture, tp: int, stage: tuple[int, bool, bool] | None = None
+) -> list[int]:
     """The element count of every parameter tensor one tensor-parallel rank holds, as built
-    (padded vocabulary; norms and biases whole on every rank)."""
+    (padded vocabulary; norms and biases whole on every rank). stage: (layers, first, last)
+    of a pipeline stage (None: the whole model): the embedding on the first, the final norm
+    and the output layer on the last, a tied embedding's copy there too when the two are
+    different stages (megatron keeps both and all-reduces their gradients)."""
     h, d, f = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     vocab = arch.padded_vocab_size(tp) // tp * h
     layer = [h, (q + 2 * kv) * h // tp, h * q // tp, h, 2 * f * h // tp, f * h // tp]
     if arch.qkv_bias:
         layer.append((q + 2 * kv) // tp)
-    embeddings = [vocab] * (1 if arch.tie_word_embeddings else 2)
-    return embeddings + layer * arch.num_layers + [h]
+    layers, first, last = stage or (arch.num_layers, True, True)
+    embeddings = [vocab] * (first + last)
+    if first and last and arch.tie_word_embeddings:
+        embeddings = [vocab]
+    return embeddings + layer * layers + ([h] if last else [])
+
+
+def stage_layers(cfg) -> list[int]:
+    """The decoder layers of each pipeline stage (all its virtual stages together), as
+    megatron splits them: parallel.first_stage_layers / last_stage_layers where set, the
+    rest evenly (config.py refuses a split that is not)."""
+    parallel, layers = cfg.parallel, cfg.model.num_layers
+    pp, first, last = (
+        parallel.pipeline_parallel,
+        parallel.first_stage_layers,
+        parallel.last_stage_layers,
+    )
+    middle = pp - (first is not None) - (last is not None)
+    even = (layers - (first or 0) - (last or 0)) // middle if middle else 0
+    split = [even] * pp
+    if first is not None:
+        split[0] = first
+    if last is not None:
+        split[-1] = last
+    return split
+
+
+def in_flight(pp: int, stage: int, micro_batches: int, virtual: int | None) -> int:
+    """Micro-batches whose activations one stage holds at once under megatron's schedules
+    (per model chunk with virtual stages): 1F1B's warm-up, pp - stage (at most the step's
+    micro-batches); interleaved, its warm-up of (pp - stage - 1) x 2 + (v - 1) x pp chunks,
+    plus the one in steady state, in chunk-micro-batches."""
+    if virtual is None:
+        return min(micro_batches, pp - stage)
+    return min(micro_batches * virtual, (pp - stage - 1) * 2 + (virtual - 1) * pp + 1)
+
+
+def megatron_state_bytes(tensors: list[int], data_parallel: int, distributed: bool) -> dict:
+    """What megatron-core's engine allocates for the parameters `tensors` of one rank, with
+    bf16 weights, its float32 gradient buffer (grad_reduce_in_fp32, whole on every rank)
+    and Adam's float32 master weights and two moments, 12 bytes a parameter, sharded over
+    the data-parallel ranks by the distributed optimizer (whole without it)."""
+    params = sum(tensors)
+    optimizer = 12 * params // (data_parallel if distributed else 1)
+    return {"weights": 2 * params, "gradients": 4 * params, "optimizer": optimizer, "buffers": 0}
 
 
 @dataclass(frozen=True)
@@ -155,14 +203,17 @@ def activation_bytes(
     seq_len: int,
     recompute: bool,
     dtype_bytes: int,
+    layers: int | None = None,
 ) -> int:
+    """The activations `layers` (default: every layer) keep for backward, one micro-batch."""
     h, d, f = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     tokens = micro_batch * seq_len
+    layers = arch.num_layers if layers is None else layers
     layer = dtype_bytes * tokens * (4 * h + (2 * q + 2 * kv + 3 * f) // tp)
     if recompute:
-        return arch.num_layers * dtype_bytes * tokens * h + layer
-    return arch.num_layers * layer
+        return layers * dtype_bytes * tokens * h + layer
+    return layers * layer
 
 
 def logits_bytes(
@@ -180,6 +231,7 @@ class Plan:
     per_gpu: dict[str, int]  # bytes by part, "total" included
     device_bytes: int
     device_label: str
+    stage: int | None = None  # the pipeline stage planned: the one that needs the most
 
     @property
     def fits(self) -> bool:
@@ -190,6 +242,8 @@ class Plan:
         parts = {k: v for k, v in self.per_gpu.items() if k not in ("total", "reserve")}
         largest = max(parts, key=parts.get)
         if largest in ("weights", "gradients", "optimizer", "buffers"):
+            if self.stage is not None:
+                return "raise parallel.pipeline_parallel or parallel.tensor_parallel"
             if zero_stage < 3:
                 return f"raise parallel.zero_stage (now {zero_stage}) or parallel.tensor_parallel"
             return "raise parallel.tensor_parallel or use more GPUs (data parallel)"
@@ -202,7 +256,7 @@ class Plan:
         out = [
             f"parameters: {p.unpadded:,} ({p.total:,} with vocabulary padding), "
             f"{p.per_rank:,} per tensor-parallel rank",
-            "per GPU: "
+            ("per GPU: " if self.stage is None else f"per GPU (stage {self.stage}, the largest): ")
             + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in self.per_gpu.items() if k != "total"),
             f"per GPU total: {self.per_gpu['total'] / GIB:.1f} GiB of {self.device_bytes / GIB:.0f}"
             f" GiB ({self.device_label})",
@@ -229,6 +283,8 @@ def plan_run(cfg, world_size: int, *, gpu_memory_gib: float | None = None) -> Pl
     the question it answers is whether the run fits there."""
     from ..config import deepspeed_config
 
+    if cfg.train.engine == "megatron":
+        return _plan_stages(cfg, world_size, gpu_memory_gib)
     tp = cfg.parallel.tensor_parallel
     dp = cfg.data_parallel_size(world_size)
     params = count_parameters(cfg.model, tp)
@@ -244,3 +300,38 @@ def plan_run(cfg, world_size: int, *, gpu_memory_gib: float | None = None) -> Pl
     per_gpu["total"] = sum(per_gpu.values())
     memory, label = device_memory(gpu_memory_gib)
     return Plan(params, per_gpu, memory, label)
+
+
+def _plan_stages(cfg, world_size: int, gpu_memory_gib: float | None) -> Plan:
+    """train.engine=megatron: each pipeline stage's GPU (its layers, the embedding on the
+    first, output layer and logits on the last, the activations of the micro-batches it
+    holds at once: `in_flight`), on megatron's distributed optimizer; the plan of the stage
+    that needs the most."""
+    import torch
+
+    from ..models.device import megatron_engine_choices
+
+    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    virtual = cfg.parallel.virtual_pipeline_parallel
+    dp = cfg.data_parallel_size(world_size)
+    micro_batches = cfg.accumulation_steps(world_size)
+    distributed = megatron_engine_choices(torch.device("cuda")).distributed_optimizer
+    b, s = cfg.train.micro_batch_size, cfg.train.seq_len
+    recompute = cfg.train.activation_checkpointing
+    plans = []
+    for stage, layers in enumerate(stage_layers(cfg)):
+        first, last = stage == 0, stage == pp - 1
+        per_gpu = megatron_state_bytes(
+            rank_tensors(cfg.model, tp, (layers, first, last)), dp, distributed
+        )
+        chunk_layers = layers // (virtual or 1)
+        held = in_flight(pp, stage, micro_batches, virtual)
+        one = activation_bytes(cfg.model, tp, b, s, recompute, 2, layers=chunk_layers)
+        per_gpu["activations"] = held * one
+        per_gpu["logits"] = logits_bytes(cfg.model, tp, b, s, 2) if last else 0
+        per_gpu["reserve"] = RESERVE
+        per_gpu["total"] = sum(per_gpu.values())
+        plans.append((per_gpu["total"], stage, per_gpu))
+    _, stage, per_gpu = max(plans, key=lambda plan: plan[0])
+    memory, label = device_memory(gpu_memory_gib)
+    return Plan(count_parameters(cfg.model, tp), per_gpu, memory, label, stage=stage)

@@ -120,8 +120,7 @@ def megatron_lm_flops_per_token(cfg) -> float:
         forward_backward_expansion_factor
         * fma_expansion_factor
         * (
-            arch.hidden_size
-            * (query_projection_size + key_projection_size + value_projection_size)
+            arch.hidden_size * (query_projection_size + key_projection_size + value_projection_size)
             + query_projection_size * s / 2 * 2  # core attention, causal half
             + query_projection_size * arch.hidden_size
         )
@@ -165,3 +164,47 @@ def test_tied_and_untied_embeddings_cost_the_same():
     untied = load_run_config(ROOT / "configs" / "llama2_7b.yaml", []).model
     tied = untied.model_copy(update={"tie_word_embeddings": True})
     assert flops_per_token(tied, 8, 4096) == flops_per_token(untied, 8, 4096)
+
+
+def _pipelined(name: str, **parallel):
+    cfg = load_run_config(ROOT / "configs" / f"{name}.yaml")
+    fields = {**cfg.parallel.model_dump(), **parallel}
+    train = {**cfg.train.model_dump(), "engine": "megatron", "checkpoints": False}
+    return cfg.model_validate({**cfg.model_dump(), "parallel": fields, "train": train})
+
+
+@pytest.mark.parametrize(("tied", "first"), [(False, 5), (True, 4)])
+def test_stage_tensors_add_up_to_the_model_with_a_tied_copy(tied, first):
+    """The stages' tensors are the model's, the last stage's copy of a tied embedding
+    besides; the split follows parallel.first_stage_layers."""
+    from del_megatron.training.plan import stage_layers
+
+    name = "qwen2.5_1.5b" if tied else "mistral_7b"
+    cfg = _pipelined(name, pipeline_parallel=4, first_stage_layers=first)
+    arch, tp = cfg.model, cfg.parallel.tensor_parallel
+    split = stage_layers(cfg)
+    assert split[0] == first and sum(split) == arch.num_layers and len(set(split[1:])) == 1
+    stages = [rank_tensors(arch, tp, (n, i == 0, i == 3)) for i, n in enumerate(split)]
+    vocab = arch.padded_vocab_size(tp) // tp * arch.hidden_size
+    assert sum(map(sum, stages)) == sum(rank_tensors(arch, tp)) + (vocab if tied else 0)
+
+
+def test_in_flight_micro_batches_follow_megatrons_warm_up():
+    from del_megatron.training.plan import in_flight
+
+    assert [in_flight(4, s, 8, None) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight(4, 0, 2, None) == 2  # fewer micro-batches than stages
+    # interleaved, 2 chunks a stage: (4 - s - 1) x 2 + 4 + 1 chunk-micro-batches
+    assert [in_flight(4, s, 8, 2) for s in range(4)] == [11, 9, 7, 5]
+
+
+def test_the_megatron_engine_plans_the_stage_that_needs_the_most():
+    """PP 4 at 32 GPUs: the first stage (4 micro-batches in flight, the embedding) is the
+    largest with the same layers everywhere; its optimizer is sharded over data parallel."""
+    cfg = _pipelined("llama2_7b", pipeline_parallel=4, tensor_parallel=2)
+    plan = plan_run(cfg, 32, gpu_memory_gib=80)
+    assert plan.stage == 0
+    params = sum(rank_tensors(cfg.model, 2, (8, True, False)))
+    assert plan.per_gpu["weights"] == 2 * params
+    assert plan.per_gpu["optimizer"] == 12 * params // 4  # DP 4
+    assert "per GPU (stage 0, the largest)" in plan.lines(1, True)[1]

@@ -38,7 +38,7 @@ from megatron.core import parallel_state
 from del_megatron import DigitVocab, NumericLossConfig
 from del_megatron.models import LlamaArchitecture, build_llama, megatron_lm
 from del_megatron.models.hf_tensors import pad_vocab
-from del_megatron.models.sharding import partition_of_param, split
+from del_megatron.models.sharding import global_name, partition_of_param, split
 from tests.megatron_cpu import (
     MEGATRON_BRIDGE,
     MEGATRON_LM,
@@ -174,20 +174,6 @@ class Layout:
             kind="emo" if "emo" in flags else "del",
             tied="tied" in flags,
         )
-
-
-def global_name(chunk: torch.nn.Module, name: str) -> str:
-    """A stage's parameter name as the reference (one stage) names it: decoder layers carry
-    their global number (`layer_number`, 1-based); the last stage's output layer holds the
-    embedding when the two are tied."""
-    parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        layer = chunk.decoder.layers[int(parts[2])]
-        parts[2] = str(layer.layer_number - 1)
-    name = ".".join(parts)
-    if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
-        return "embedding.word_embeddings.weight"
-    return name
 
 
 def stage_tensor(full: dict, chunk, name: str, param: torch.Tensor, layout: Layout, tied: bool):
