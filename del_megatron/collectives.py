@@ -119,6 +119,16 @@ def gather_object(obj: Any, *, group: dist.ProcessGroup | None = None) -> list |
     return gathered
 
 
+def broadcast_object(obj: Any, *, src: int, group: dist.ProcessGroup | None = None) -> Any:
+    """Global rank `src`'s picklable `obj` on every rank of `group` (staged on the current
+    CUDA device on NCCL, as all_gather_object)."""
+    if _alone(group):
+        return obj
+    sent = [obj]
+    dist.broadcast_object_list(sent, src=src, group=group)
+    return sent[0]
+
+
 def barrier(*, group: dist.ProcessGroup | None = None) -> None:
     if not _alone(group):
         dist.barrier(group=group)

@@ -103,7 +103,7 @@ class CpuTorch(types.ModuleType):
         super().__init__("torch")
         self.cuda = _CudaOnCpu()
         for name in _FACTORIES:
-            setattr(self, name, _factory(getattr(torch, name)))
+            vars(self)[name] = _factory(getattr(torch, name))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -149,7 +149,7 @@ def rebind(*also: str) -> None:
         if module.torch is not _CPU_TORCH:
             module.torch = _CPU_TORCH
     for (name, attribute), stand_in in FUNCTIONS.items():
-        setattr(importlib.import_module(name), attribute, stand_in)
+        vars(importlib.import_module(name))[attribute] = stand_in
 
 
 class _CudaCallStays(TorchFunctionMode):

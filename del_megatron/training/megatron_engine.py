@@ -22,7 +22,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import collectives
 from ..models.device import batch_to_device, megatron_engine_choices, megatron_engine_on
@@ -230,9 +229,7 @@ def stage_reports(reports: list[dict], device: torch.device) -> tuple[list[str],
         return names, pairs
     group = parallel_state.get_pipeline_model_parallel_group()
     last = parallel_state.get_pipeline_model_parallel_last_rank()
-    sent = [names]
-    dist.broadcast_object_list(sent, src=last, group=group)  # the names: host, a few bytes
-    names = sent[0]
+    names = collectives.broadcast_object(names, src=last, group=group)  # host, a few bytes
     if totals.totals:
         pairs = torch.stack([totals.totals[n] for n in names])
     else:

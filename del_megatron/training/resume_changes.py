@@ -115,6 +115,17 @@ TABLE: dict[str, Rule] = {
     "parallel.zero_stage": _same("another layout, from the layout-free state"),
     "parallel.sequence_parallel": _same("refused by the config itself"),
     "parallel.collective_timeout_minutes": _same("how long a collective may wait, no value"),
+    **{
+        f"parallel.{name}": _refused(
+            "a pipeline layout needs train.engine=megatron, which loads no checkpoint yet"
+        )
+        for name in (
+            "pipeline_parallel",
+            "virtual_pipeline_parallel",
+            "first_stage_layers",
+            "last_stage_layers",
+        )
+    },
     "optim.lr": Rule(Effect.RESTART_ONLY, "the peak of the schedule"),
     "optim.warmup_fraction": Rule(Effect.RESTART_ONLY, "the warmup of the schedule"),
     "optim.min_lr": Rule(Effect.SCHEDULE, "the floor of the schedule"),
@@ -146,6 +157,8 @@ TABLE: dict[str, Rule] = {
     "train.layout_free_checkpoints": _INTERVAL,
     "train.background_checkpoints": _INTERVAL,
     "train.max_nonfinite_steps": _INTERVAL,
+    "train.engine": _refused("the megatron engine loads no checkpoint yet"),
+    "train.checkpoints": _INTERVAL,
     "data.tokenizer": _same("compared by content: another tokenizer is refused"),
     "data.sources": _changes(
         "kept sources continue where they were, new ones start at their beginning"
