@@ -1,7 +1,13 @@
-"""Training step time with kind="del" over kind="mle", side by side in one run.
+"""Training step time with kind="del" over kind="mle", side by side in one run; with
+--engines, train.engine=megatron over the deepspeed engine instead.
 
     torchrun --nproc_per_node=2 bench/train_step.py              # tiny CPU model, TP 2
     python bench/train_step.py --gpu-7b                          # 4-layer Llama-2-7B widths, GPU
+    torchrun --nproc_per_node=2 bench/train_step.py --engines    # both engines, kind del
+
+--engines: two runs in one process, one per engine, at the same layout, from the same seed
+(the same initial weights), stepped in ABBA order on the same batches; the loss each
+reported is printed beside its time (the check that both ran the same step).
 
 One engine, one model; the loss kind is switched between alternating steps by handing the
 model the loss head of that kind (`NumericLossGPTModel.head`, which its forward calls; the
@@ -86,9 +92,63 @@ def run_config(tokenizer: Path, gpu_7b: bool):
     return parse_run_config(tree)
 
 
+def engine_config(cfg, engine: str):
+    """`cfg` on `engine` (no checkpoints: the megatron engine writes none yet)."""
+    train = {**cfg.train.model_dump(), "engine": engine, "checkpoints": False}
+    return cfg.model_validate({**cfg.model_dump(), "train": train})
+
+
+def compare_engines(cfg, args, batch_of) -> None:
+    """The deepspeed and the megatron engine, one run each in this process, ABBA."""
+    from del_megatron.models.device import synchronize
+    from del_megatron.training.trainer import next_micro_batches, setup, train_step
+
+    engines = ("deepspeed", "megatron")
+    runs = {}
+    for engine in engines:  # the second setup re-makes megatron's groups: the same ranks
+        runs[engine] = setup(engine_config(cfg, engine))
+    times: dict[str, list[float]] = {e: [] for e in engines}
+    reported: dict[str, list[float]] = {e: [] for e in engines}
+    losses: dict[str, list[float]] = {e: [] for e in engines}
+    steps = {e: 0 for e in engines}
+    for i in range(args.warmup + 2 * args.steps):
+        engine = engines[(i + i // 2) % 2]  # ABBA order: no engine always goes first
+        run = runs[engine]
+        batch = batch_of(run)
+        synchronize(run.device)
+        start = time.perf_counter()
+        outcome = train_step(run, next_micro_batches(run, batch, steps[engine]), steps[engine] + 1)
+        elapsed = time.perf_counter() - start
+        if i >= args.warmup:
+            times[engine].append(elapsed)
+            reported[engine].append(outcome.metrics.host["tokens_per_s"])
+        losses[engine].append(outcome.metrics.values()["loss"])  # after the timing
+        steps[engine] += 1
+    run = runs["deepspeed"]
+    if run.is_main:
+        base = statistics.median(times["deepspeed"])
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        print(
+            f"{'GPU 4-layer Llama-2-7B widths' if args.gpu_7b else 'tiny CPU model'}, "
+            f"TP {cfg.parallel.tensor_parallel}, DP {run.dp_size}, {tokens} tokens a step, "
+            f"kind {cfg.loss.kind}"
+        )
+        print(
+            f"{'engine':10s} {'step ms':>9s} {'ratio':>7s} {'tokens/s':>10s} "
+            f"{'trainer':>10s} {'loss':>9s}"
+        )
+        for engine in engines:
+            median = statistics.median(times[engine])
+            print(
+                f"{engine:10s} {median * 1e3:9.1f} {median / base:6.3f}x {tokens / median:10.0f} "
+                f"{statistics.median(reported[engine]):10.0f} {losses[engine][-1]:9.5f}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-7b", action="store_true")
+    parser.add_argument("--engines", action="store_true", help="megatron's engine over deepspeed's")
     parser.add_argument("--steps", type=int, default=12, help="timed steps of each kind")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps first")
     parser.add_argument(
@@ -104,18 +164,32 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="del-bench-step-"))
     cfg = run_config(args.tokenizer or tokenizer_path(root), args.gpu_7b)
-    run = setup(cfg)
-    digits = torch.tensor([ids[0] for ids in run.tokenizer.digit_vocab.digit_ids])
-    gen = torch.Generator().manual_seed(0)
     b, s = cfg.train.micro_batch_size, cfg.train.seq_len
 
-    def batch(step: int, micro: int):
-        window = torch.randint(3, run.tokenizer.vocab_size, (b, s + 1), generator=gen)
-        is_digit = torch.rand(window.shape, generator=gen) < 0.15
-        window = torch.where(
-            is_digit, digits[torch.randint(10, window.shape, generator=gen)], window
-        )
-        return {"tokens": window[:, :-1], "labels": window[:, 1:], "loss_mask": torch.ones(b, s)}
+    def batch_of(run):
+        """(step, micro) -> a micro-batch, the same for every run: seeded by both."""
+        digits = torch.tensor([ids[0] for ids in run.tokenizer.digit_vocab.digit_ids])
+
+        def batch(step: int, micro: int):
+            gen = torch.Generator().manual_seed(1000 * step + micro)
+            window = torch.randint(3, run.tokenizer.vocab_size, (b, s + 1), generator=gen)
+            is_digit = torch.rand(window.shape, generator=gen) < 0.15
+            window = torch.where(
+                is_digit, digits[torch.randint(10, window.shape, generator=gen)], window
+            )
+            return {
+                "tokens": window[:, :-1],
+                "labels": window[:, 1:],
+                "loss_mask": torch.ones(b, s),
+            }
+
+        return batch
+
+    if args.engines:
+        compare_engines(cfg, args, batch_of)
+        return
+    run = setup(cfg)
+    batch = batch_of(run)
 
     model = run.engine.module
     heads = {

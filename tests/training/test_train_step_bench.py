@@ -22,3 +22,15 @@ def test_the_two_variants_run_their_own_loss(synth_tokenizer):
     numeric = {kind: float(rows[kind][-1]) for kind in ("mle", "del")}
     assert math.isnan(numeric["mle"]), out[-2000:]
     assert numeric["del"] > 0, out[-2000:]
+
+
+def test_the_two_engines_run_the_same_step(synth_tokenizer):
+    """--engines: deepspeed's and megatron's runs, from one seed on the same batches,
+    report the same loss after their last step (each timed its own step)."""
+    bench = str(ROOT / "bench" / "train_step.py")
+    args = ("--engines", "--steps", "2", "--warmup", "0", "--tokenizer", str(synth_tokenizer))
+    out = run_torchrun(bench, 2, *args, timeout=600)
+    rows = {words[0]: words for words in (line.split() for line in out.splitlines()) if words}
+    losses = {engine: float(rows[engine][-1]) for engine in ("deepspeed", "megatron")}
+    assert abs(losses["deepspeed"] - losses["megatron"]) <= 1e-4 * losses["deepspeed"], out[-2000:]
+    assert rows["megatron"][2].endswith("x"), out[-2000:]  # its ratio to deepspeed
