@@ -253,7 +253,7 @@ def train_step(
     dp_pairs = collectives.all_reduce(pairs, group=parallel_state.get_data_parallel_group())
     agreed = agree(stop, ~torch.isfinite(local_loss), writing)
     if agreed.nonfinite:
-        return EngineStep(names, dp_pairs, None, agreed, skipped=True)
+        return EngineStep(names, dp_pairs, float("nan"), agreed, skipped=True)  # no norm taken
     # the norm before megatron's step, so a non-finite one skips the step (megatron's own
     # step would apply it under bf16, having no loss scaler to find it); it is a host
     # float reduced over the model-parallel ranks, the same on every rank

@@ -101,3 +101,11 @@ def test_fused_output_follows_the_unfused_trajectory(tp2_dp2):
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(zero, synth_tokenizer, synth_shards):
     out = run_torchrun("train_nonfinite.py", 1, str(synth_tokenizer), str(synth_shards), str(zero))
     assert "OK 3 optimizer steps in a row" in out
+
+
+def test_the_megatron_engine_skips_nonfinite_steps_on_every_stage(synth_tokenizer, synth_shards):
+    """train.engine=megatron at PP 2: the NaN loss exists on the last stage only; the first
+    stage's weights stay unchanged across the skipped steps too (the agreement)."""
+    args = (str(synth_tokenizer), str(synth_shards), "1", "megatron")
+    out = run_torchrun("train_nonfinite.py", 2, *args)
+    assert "OK 3 optimizer steps in a row" in out

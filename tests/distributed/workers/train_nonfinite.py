@@ -1,11 +1,14 @@
 """torchrun worker: steps whose loss is NaN are skipped (weights unchanged), counted, and the
 run stops with a clear error after train.max_nonfinite_steps of them in a row.
 
-argv: tokenizer manifest zero_stage
+argv: tokenizer manifest zero_stage [megatron]: with `megatron`, train.engine=megatron at
+pipeline parallel = the process count (the NaN loss is on the last stage only: the other
+stages skip by the agreement; each rank checks its own stage's weights).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -18,10 +21,19 @@ NAN_STEPS = {1, 2, 4, 5, 6}  # 0-based: two in a row (survived), then three (the
 
 
 def main() -> None:
-    tokenizer, manifest, zero = sys.argv[1:4]
+    tokenizer, manifest, zero, *engine = sys.argv[1:]
+    megatron = engine == ["megatron"]
     cfg = config(tokenizer, manifest, 1, int(zero), "del")
-    cfg = cfg.model_copy(
-        update={"train": cfg.train.model_copy(update={"steps": 8, "max_nonfinite_steps": 3})}
+    train = {"steps": 8, "max_nonfinite_steps": 3}
+    if megatron:
+        train |= {"engine": "megatron", "checkpoints": False}
+    pipeline = {"pipeline_parallel": int(os.environ["WORLD_SIZE"]) if megatron else 1}
+    cfg = cfg.model_validate(
+        {
+            **cfg.model_dump(),
+            "train": cfg.train.model_copy(update=train).model_dump(),
+            "parallel": cfg.parallel.model_copy(update=pipeline).model_dump(),
+        }
     )
     run = setup(cfg)
     digit_ids = [ids[0] for ids in run.tokenizer.digit_vocab.digit_ids]
@@ -43,8 +55,9 @@ def main() -> None:
         for step in range(1, cfg.train.steps + 1):
             outcome = train_step(run, next_micro_batches(run, batches, step - 1), step)
             values = outcome.metrics.values()
-            params = list(run.engine.module.parameters())
-            with deepspeed.zero.GatheredParameters(params, enabled=int(zero) == 3):
+            modules = run.engine.modules if megatron else [run.engine.module]
+            params = [p for module in modules for p in module.parameters()]
+            with deepspeed.zero.GatheredParameters(params, enabled=int(zero) == 3 and not megatron):
                 weights.append(torch.cat([p.detach().flatten().clone() for p in params]))
             seen.append(values["skipped_steps"])
     except NonFiniteError as err:
