@@ -160,13 +160,15 @@ def build_model(
     tokenizer,
     *,
     stage: tuple[bool, bool, int | None] = (True, True, None),
+    seed_offset: int = 0,
     **overrides: Any,
 ) -> torch.nn.Module:
     """The run's model on `device` (megatron's parallel state initialized): built by the one
     builder (`models/llama.build_llama`: RNGs seeded with train.seed, megatron's random init
     skipped when initial weights load right after), the initial weights loaded, the EMO cost
     embedding frozen from them. stage: (pre_process, post_process, vp_stage) of a pipeline
-    stage's model chunk (`megatron_engine.stage_flags`); overrides: TransformerConfig fields."""
+    stage's model chunk (`megatron_engine.stage_flags`); seed_offset: added to train.seed
+    (`build_stages`); overrides: TransformerConfig fields."""
     from ..models import build_llama
 
     initial = open_initial_weights(cfg)
@@ -176,7 +178,7 @@ def build_model(
         tokenizer.digit_vocab,
         cfg.loss,
         device,
-        seed=cfg.train.seed,
+        seed=cfg.train.seed + seed_offset,
         weights_follow=initial is not None,
         # both engines' backward is of loss_func's sum times one factor (DeepSpeed's
         # loss_sum * scale, megatron's grad_scale_func): the fused loss's backward scales
@@ -196,7 +198,12 @@ def build_model(
 def build_stages(cfg: RunConfig, device: torch.device, tokenizer) -> list[torch.nn.Module]:
     """This rank's model chunks for megatron's engine: one per virtual stage of its pipeline
     stage, each with its layers (megatron numbers them from the stage's offset) and the
-    initial weights of those layers."""
+    initial weights of those layers. A random start seeds each chunk with train.seed +
+    100 x its pipeline rank (Megatron-LM's offset) + its virtual stage, so no two chunks
+    draw the same weights; the first chunk of the first stage, the whole model at PP 1,
+    draws what the deepspeed engine's build draws."""
+    from megatron.core import parallel_state
+
     from ..models.device import building_stages, pipeline_overrides
     from .megatron_engine import stage_flags, stage_overrides
 
@@ -205,9 +212,13 @@ def build_stages(cfg: RunConfig, device: torch.device, tokenizer) -> list[torch.
         **pipeline_overrides(device, cfg.parallel.pipeline_parallel),
     }
     chunks = []
-    for flags in stage_flags(cfg.parallel.virtual_pipeline_parallel):
+    offset = 100 * parallel_state.get_pipeline_model_parallel_rank()
+    for v, flags in enumerate(stage_flags(cfg.parallel.virtual_pipeline_parallel)):
         with building_stages(device):  # tied embeddings: the last stage's copy
-            chunks.append(build_model(cfg, device, tokenizer, stage=flags, **overrides))
+            chunk = build_model(
+                cfg, device, tokenizer, stage=flags, seed_offset=offset + v, **overrides
+            )
+        chunks.append(chunk)
     return chunks
 
 

@@ -37,6 +37,7 @@ TWO = [f"megatron:1:2/{k}" for k in KINDS] + [
     "deepspeed:2:1/del",
 ]
 FOUR = ["megatron:2:2/del", "megatron:2:2/emo+tied", "megatron:1:2/del"]  # the last: DP 2
+CHECKS = {2: ["distinct"]}  # worker checks that print OK (workers/megatron_engine.py)
 
 
 def _load(out_dir, variant):
@@ -58,10 +59,13 @@ def trajectories(synth_tokenizer, synth_shards, tmp_path_factory):
         out = root / f"np{processes}"
         out.mkdir()
         args = [str(synth_tokenizer), str(synth_shards), str(out), str(init)]
-        run_torchrun("megatron_engine.py", processes, *args, *variants)
+        said = run_torchrun(
+            "megatron_engine.py", processes, *args, *variants, *CHECKS.get(processes, [])
+        )
         for variant in variants:
             if variant != "init":
                 found[processes, variant] = _load(out, variant)
+        found[processes, "output"] = said
     return found
 
 
@@ -85,6 +89,14 @@ def test_follows_the_single_process_deepspeed_run(trajectories, processes, varia
     assert got["params"].keys() == want["params"].keys(), what
     for name, value in want["params"].items():
         assert_close(got["params"][name], value, atol=2e-5, what=f"{what} {name}")
+
+
+@pytest.mark.slow
+def test_a_random_start_draws_every_chunk_its_own_weights(trajectories):
+    """PP 2 x 2 virtual stages from no initial weights: the 4 chunks' first layers all
+    differ (each seeded train.seed + 100 x pipeline rank + virtual stage; one seed for all
+    made them copies), and the first is what a one-stage build draws."""
+    assert "OK distinct: 4 chunks, the first as one stage draws it" in trajectories[2, "output"]
 
 
 # ---- what the engines refuse, in one line -------------------------------------------------

@@ -21,6 +21,7 @@ targets), so a loss normalised per micro-batch, per rank or per stage shows.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -177,10 +178,38 @@ def run_variant(tokenizer: str, manifest: str, out_dir: Path, init_dir: Path, va
         run.engine.destroy()
 
 
+def distinct_random_layers(tokenizer: str, manifest: str) -> None:
+    """A random start at PP x virtual stages (`distinct:TP:PP:VP`-less: PP = the process
+    count, 2 chunks each): no two model chunks hold the same first-layer weights (each chunk
+    its own seed), and the first chunk of the first stage is what a one-stage build draws."""
+    from del_megatron.training.trainer import build_model, setup
+
+    pp = int(os.environ["WORLD_SIZE"])
+    cfg = config(tokenizer, manifest, f"megatron:1:{pp}:2/del", None)
+    run = setup(cfg)
+    mine = [m.decoder.layers[0].mlp.linear_fc2.weight.detach().clone() for m in run.engine.modules]
+    every = [None] * pp
+    dist.all_gather_object(every, mine)
+    tensors = [t for part in every for t in part]
+    for i, a in enumerate(tensors):
+        for b in tensors[i + 1 :]:
+            assert not torch.equal(a, b), "two model chunks drew the same weights"
+    from del_megatron.parallel import init_model_parallel
+
+    init_model_parallel(1, 10)  # every rank: one stage (data parallel over the ranks)
+    one = config(tokenizer, manifest, "deepspeed:1:1/del", None)
+    whole = build_model(one, run.device, run.tokenizer)
+    assert torch.equal(whole.decoder.layers[0].mlp.linear_fc2.weight, tensors[0])
+    if dist.get_rank() == 0:
+        print(f"OK distinct: {len(tensors)} chunks, the first as one stage draws it", flush=True)
+
+
 def main() -> None:
     tokenizer, manifest, out_dir, init_dir, *variants = sys.argv[1:]
     for variant in variants:
-        if variant == "init":
+        if variant == "distinct":
+            distinct_random_layers(tokenizer, manifest)
+        elif variant == "init":
             write_init(tokenizer, manifest, Path(init_dir))
         else:
             run_variant(tokenizer, manifest, Path(out_dir), Path(init_dir), variant)
