@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from del_megatron.config import parse_run_config
+from tests.distributed.workers.train_equivalence import GLOBAL, MICRO, SEQ, global_batches
 
-SEQ, MICRO, GLOBAL, VOCAB = 32, 2, 8, 800
+VOCAB = 800  # the batches are train_equivalence's: SEQ 32, MICRO 2, GLOBAL 8
 
 
 def config(tokenizer: str, manifest: str, variant: str, init_dir: str | None):
@@ -76,22 +77,6 @@ def config(tokenizer: str, manifest: str, variant: str, init_dir: str | None):
             "output_dir": "/tmp/del-megatron-engine",
         }
     )
-
-
-def global_batches(digit_ids: list[int]):
-    """Step -> [GLOBAL, SEQ + 1] token windows (40% digits) and loss masks whose rows keep
-    between 3% and 100% of their targets."""
-    gen = torch.Generator().manual_seed(0)
-    steps = []
-    for _ in range(5):
-        window = torch.randint(3, 700, (GLOBAL, SEQ + 1), generator=gen)
-        digits = torch.tensor(digit_ids)[torch.randint(10, window.shape, generator=gen)]
-        window = torch.where(torch.rand(window.shape, generator=gen) < 0.4, digits, window)
-        keep = torch.empty(GLOBAL, 1).uniform_(0.03, 1.0, generator=gen)
-        mask = (torch.rand(GLOBAL, SEQ, generator=gen) < keep).float()
-        mask[:, 0] = 1.0
-        steps.append((window, mask))
-    return steps
 
 
 def write_init(tokenizer: str, manifest: str, init_dir: Path) -> None:
