@@ -16,7 +16,7 @@ from pathlib import Path
 
 from del_megatron.checksums import HashingWriter, hash_file
 
-CHUNK = 16 << 20  # a parameter's bytes as layout_free.save writes them
+CHUNK = 16 << 20  # a parameter's bytes as checkpoint/optim_state.py writes them
 
 
 def write(path: Path, data: bytes, total: int, hashed: bool) -> float:

@@ -6,7 +6,7 @@ step waits, side by side in one run.
 One engine and model (ZeRO 1, the layout-free state). The saves alternate between the two
 ways (train.background_checkpoints true and false, ABBA order); each is taken after a step.
 The stall is the time the training thread spends in the save: for a background save, the
-host copy and collectives of `checkpoint.save` plus the `publish` that follows once the
+host copy and collectives of `checkpoint/save.save` plus the `publish` that follows once the
 files are written; for the other, the whole save. Prints the median stall of each and
 their ratio (exit status 1 above --bound), and the median time a background save cost
 training in all: its stall plus what the steps beside its writer took over a step alone
@@ -62,7 +62,7 @@ def main() -> None:
 
     from train_step import tokenizer_path  # bench/train_step.py, beside this script
 
-    from del_megatron.training import checkpoint
+    from del_megatron.checkpoint import publish, save
     from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
     root = Path(tempfile.mkdtemp(prefix="del-bench-stall-"))
@@ -93,7 +93,7 @@ def main() -> None:
         train = cfg.train.model_copy(update={"background_checkpoints": background})
         run.cfg = cfg.model_copy(update={"train": train})
         started = time.perf_counter()
-        pending = checkpoint.save(run, step, None, keep=1)
+        pending = save.save(run, step, None, keep=1)
         stall = time.perf_counter() - started
         slower = 0.0
         while True:  # the trainer's loop: publish once the step's agreement says written
@@ -103,7 +103,7 @@ def main() -> None:
                 slower += seconds - statistics.median(quiet)
                 continue
             started = time.perf_counter()
-            checkpoint.publish(run, pending)
+            publish.publish(run, pending)
             stall += time.perf_counter() - started
             break
         stalls[background].append(stall)

@@ -1,6 +1,6 @@
 """Checksums of the files a command writes into a directory, and their verification when
 read: `files.json` in that directory lists each file's size and SHA-256. Checkpoints carry
-one (training/checkpoint_files.py says when it is written and checked); a data build's
+one (checkpoint/files.py says when it is written and checked); a data build's
 shards carry theirs in the manifest (data/format.py).
 """
 

@@ -133,13 +133,13 @@ class TrainConfig(_Section):
     """What runs the step: `deepspeed` (ZeRO 1-3 over data-parallel ranks, tensor parallel,
     the layout-free checkpoints) or `megatron`: megatron-core's own engine (its
     DistributedDataParallel, its optimizer, distributed on GPU, and its schedules through
-    get_forward_backward_func, so parallel.pipeline_parallel and virtual stages). The
-    megatron engine writes no checkpoints yet: it needs train.checkpoints=false
+    get_forward_backward_func, so parallel.pipeline_parallel and virtual stages). Both
+    write the layout-free checkpoint, which either resumes at any layout
     (docs/architecture.md, "Engines")."""
     checkpoints: bool = True
     """Write checkpoints (save_interval, at the end, on a stop signal); false: none (a
-    benchmark, a throwaway run, the megatron engine for now). A stop signal then ends the
-    run with nothing to continue from."""
+    benchmark, a throwaway run). A stop signal then ends the run with nothing to continue
+    from."""
 
 
 class DataSection(_Section):
@@ -366,11 +366,10 @@ def _engine_problem(cfg: RunConfig) -> str | None:
                     "schedules run their own backward, which would bypass the DeepSpeed engine"
                 )
         return None
-    if cfg.train.checkpoints:
+    if cfg.train.checkpoints and not cfg.train.layout_free_checkpoints:
         return (
-            "train.engine=megatron writes no checkpoints yet (its optimizer state has no "
-            "adapter to the layout-free format): set train.checkpoints=false, or use "
-            "train.engine=deepspeed"
+            "train.layout_free_checkpoints=false keeps DeepSpeed's own optimizer state, which "
+            "train.engine=megatron has not: its checkpoints are layout-free (drop the override)"
         )
     if parallel.virtual_pipeline_parallel is not None:
         if parallel.pipeline_parallel == 1:

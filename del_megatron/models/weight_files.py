@@ -5,8 +5,10 @@ Hugging Face: config.json, model.safetensors or model-XXXXX-of-YYYYY.safetensors
 model.safetensors.index.json, tokenizer files.
 
 del-megatron (`<dir>/model/`, inside every training checkpoint and written by del-convert):
-tpNN.safetensors, one per tensor-parallel rank, canonical megatron names, in the training
-dtype; arch.json (LlamaArchitecture, the family included); the run's tokenizer file.
+tpNN.safetensors, one per tensor-parallel rank (tpNN-ppKK.safetensors, one per rank and
+pipeline stage, from a pipelined run), canonical megatron names with decoder layers by their
+global number, in the training dtype; arch.json (LlamaArchitecture, the family included);
+the run's tokenizer file.
 """
 
 from __future__ import annotations
@@ -119,28 +121,27 @@ class MegatronWeights:
             raise ConversionError(
                 f"{arch_path}: not an architecture record ({where}: {first['msg']})"
             ) from None
-        paths = sorted(self.root.glob("tp*.safetensors"))
-        if not paths:
-            raise ConversionError(f"{self.root}: no tpNN.safetensors files")
-        if [p.name for p in paths] != [f"tp{r:02d}.safetensors" for r in range(len(paths))]:
-            raise ConversionError(
-                f"{self.root}: the tpNN.safetensors files are not tp00 to tp{len(paths) - 1:02d}"
-            )
-        self.paths = paths
-        self.tensor_parallel = len(paths)
+        self.stages = _rank_files(self.root)  # [tensor-parallel rank][stage] -> file
+        self.paths = [path for stages in self.stages for path in stages]
+        self.tensor_parallel = len(self.stages)
         self.names: dict[str, str] = {}  # canonical -> as stored
-        with _safe_open(paths[0]) as handle:
-            for stored in handle.keys():
-                self.names[canonical(stored)] = stored
-            first = next(iter(self.names.values()))
-            stored = handle.get_slice(first).get_dtype()
-            if stored not in SAFETENSORS_DTYPES:
-                raise ConversionError(f"{paths[0]}: weights stored as {stored}")
-            self.dtype = SAFETENSORS_DTYPES[stored]  # the training dtype, e.g. "bfloat16"
-            self.padded_vocab = (
-                handle.get_slice(self.names["embedding.word_embeddings.weight"]).get_shape()[0]
-                * self.tensor_parallel
-            )
+        self.stage_of: dict[str, int] = {}  # canonical -> the stage's file holding it
+        for stage, path in enumerate(self.stages[0]):
+            with _safe_open(path) as handle:
+                for stored in handle.keys():
+                    self.names[canonical(stored)] = stored
+                    self.stage_of[canonical(stored)] = stage
+                first = next(iter(handle.keys()))
+                dtype = handle.get_slice(first).get_dtype()
+                if dtype not in SAFETENSORS_DTYPES:
+                    raise ConversionError(f"{path}: weights stored as {dtype}")
+                self.dtype = SAFETENSORS_DTYPES[dtype]  # the training dtype, e.g. "bfloat16"
+        embedding = "embedding.word_embeddings.weight"
+        if embedding not in self.names:
+            raise ConversionError(f"{self.root}: no tensor {embedding}")
+        with _safe_open(self.stages[0][self.stage_of[embedding]]) as handle:
+            rows = handle.get_slice(self.names[embedding]).get_shape()[0]
+        self.padded_vocab = rows * self.tensor_parallel
 
     def verify(self) -> None:
         """The weight files against the checksums of the checkpoint they are part of
@@ -160,7 +161,7 @@ class MegatronWeights:
         """Rank `rank`'s stored shard of the canonical tensor `name`."""
         if name not in self.names:
             raise ConversionError(f"{self.root}: no tensor {name}")
-        with _safe_open(self.paths[rank]) as handle:
+        with _safe_open(self.stages[rank][self.stage_of[name]]) as handle:
             return handle.get_tensor(self.names[name])
 
     def full(self, name: str) -> torch.Tensor:
@@ -177,6 +178,34 @@ class MegatronWeights:
 
     def tokenizer(self) -> Path | None:
         return tokenizer_of_weights(self.root.parent)
+
+
+def rank_file(rank: int, stage: int | None = None) -> str:
+    """A tensor-parallel rank's weights file (of one pipeline stage: `stage`)."""
+    return (
+        f"tp{rank:02d}.safetensors" if stage is None else f"tp{rank:02d}-pp{stage:02d}.safetensors"
+    )
+
+
+def _rank_files(root: Path) -> list[list[Path]]:
+    """[tensor-parallel rank][pipeline stage] -> file: tp00 ... tpNN, or tp00-pp00 ... (a
+    pipelined run's), every rank with the same stages; anything else is refused."""
+    found = sorted(root.glob("tp*.safetensors"))
+    if not found:
+        raise ConversionError(f"{root}: no tpNN.safetensors files")
+    stages = sorted({p.stem.partition("-")[2] for p in found})
+    ranks = len(found) // len(stages)
+    expected = [
+        [root / (f"tp{r:02d}" + (f"-{s}" if s else "") + ".safetensors") for s in stages]
+        for r in range(ranks)
+    ]
+    pipelined = stages != [""]
+    if sorted(p for row in expected for p in row) != found or (
+        pipelined and stages != [f"pp{k:02d}" for k in range(len(stages))]
+    ):
+        last = f"tp{ranks - 1:02d}" + ("-ppKK" if pipelined else "")
+        raise ConversionError(f"{root}: the weight files are not tp00 to {last}.safetensors")
+    return expected
 
 
 def tokenizer_of_weights(directory: str | Path) -> Path | None:
@@ -202,7 +231,7 @@ def tokenizer_in(directory: str | Path) -> Path | None:
 # What a weights directory (model/) and a Hugging Face export hold: the only files these
 # writers replace; anything else there is the user's (del_megatron.outputs).
 WEIGHTS_FILES = re.compile(
-    r"tp\d{2}\.safetensors|arch\.json|tokenizer\.json|[^/]+\.model|files\.json"
+    r"tp\d{2}(-pp\d{2})?\.safetensors|arch\.json|tokenizer\.json|[^/]+\.model|files\.json"
 )
 HF_FILES = re.compile(
     r"config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors"
@@ -215,13 +244,16 @@ def _matches(pattern: re.Pattern) -> Ours:
     return lambda path: path.is_file() and pattern.fullmatch(path.name) is not None
 
 
-def write_rank_weights(root: Path, rank: int, state: dict[str, torch.Tensor]) -> None:
-    """root/tpNN.safetensors: one tensor-parallel rank's weights, canonical names."""
+def write_rank_weights(
+    root: Path, rank: int, state: dict[str, torch.Tensor], *, stage: int | None = None
+) -> None:
+    """root/tpNN.safetensors (tpNN-ppKK.safetensors: pipeline stage KK's): one
+    tensor-parallel rank's weights, canonical names."""
     from safetensors.torch import save_file
 
     save_file(
         {canonical(k): v.detach().cpu().contiguous() for k, v in state.items()},
-        str(root / f"tp{rank:02d}.safetensors"),
+        str(root / rank_file(rank, stage)),
     )
 
 

@@ -159,6 +159,18 @@ class LambdaSchedules:
     def get_last_lr(self) -> list[float]:
         return self.schedulers[0].get_last_lr()
 
+    @property
+    def last_epoch(self) -> int:
+        """The schedule's position (steps taken), as LambdaLR's."""
+        return self.schedulers[0].last_epoch
+
+    def state_dict(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(state)
+
 
 def _forward_step_func(device: torch.device, seq_len: int, probe: bool):
     """The forward step megatron's schedules call per micro-batch and model chunk: what the

@@ -39,27 +39,28 @@ def _resume_point(
     cfg: RunConfig, resume: str, fingerprint: str, world: int
 ) -> tuple[int | None, list[str]]:
     """The step a run resumes at (None: from the start) and the lines saying what the resume
-    changes (training/resume_changes.py, which refuses what may not change); refuses a fresh
+    changes (checkpoint/changes.py, which refuses what may not change); refuses a fresh
     start over another run's checkpoints, which it would mix with and prune."""
-    from . import checkpoint, resume_changes
+    from ..checkpoint import changes as resume_changes
+    from ..checkpoint import directory, load
 
     try:
-        path = checkpoint.resolve(resume, cfg.output_dir)
+        path = directory.resolve(resume, cfg.output_dir)
         if path is not None:
             changes = resume_changes.review(path, cfg, resume, tokenizer=fingerprint)
-            step = checkpoint.check(path, cfg, fingerprint, world)["step"]
+            step = load.check(path, cfg, fingerprint, world)["step"]
             check_resumable(
-                checkpoint.data_state(path),
+                directory.data_state(path),
                 cfg.data_parallel_size(world),
                 cfg.data.num_workers,
                 len(cfg.data.sources),
             )
             return step, changes.lines
-    except checkpoint.CheckpointError as err:
+    except directory.CheckpointError as err:
         raise ConfigError(f"--resume {resume}: {err}") from None
     except DataError as err:
         raise ConfigError(f"--resume {resume}: {path}: {err}") from None
-    found = checkpoint.complete_checkpoints(checkpoint.root_of(cfg.output_dir))
+    found = directory.complete_checkpoints(directory.root_of(cfg.output_dir))
     if resume == "none" and found:
         raise ConfigError(
             f"output_dir={cfg.output_dir} holds checkpoints of an earlier run (newest "

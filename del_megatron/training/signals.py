@@ -86,7 +86,7 @@ def agree(stop: StopRequest | None, nonfinite: torch.Tensor, writing: bool = Fal
 
     nonfinite: this rank's 0-dim flag, on the compute device (no host copy before the
     reduction: the host flags are filled on the device too). writing: whether this rank's
-    checkpoint writer is still at work (training/checkpoint_writer.py)."""
+    checkpoint writer is still at work (checkpoint/writer.py)."""
     received = stop is not None and stop.received is not None
     device = nonfinite.device
     flags = torch.stack(

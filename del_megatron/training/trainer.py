@@ -444,16 +444,14 @@ def train(
     A stop signal (SIGTERM, SIGUSR1) on any rank: every rank saves the checkpoint of the step
     just finished and returns with `stopped` set (no final save, no evaluation after).
     """
-    from . import checkpoint, resume_changes
+    from ..checkpoint import changes as resume_changes
+    from ..checkpoint import directory, load
+    from ..checkpoint import publish as publishing
+    from ..checkpoint import save as saving
 
     # StopRequest first: a signal during set-up is a stop, not a kill
     with StopRequest() as stop, contextlib.ExitStack() as held:
-        path = checkpoint.resolve(resume, cfg.output_dir)
-        if path is not None and cfg.train.engine == "megatron":
-            raise ConfigError(
-                f"--resume {resume}: {path} cannot be loaded by train.engine=megatron yet (its "
-                "optimizer state has no adapter); continue it with train.engine=deepspeed"
-            )
+        path = directory.resolve(resume, cfg.output_dir)
         save = save and cfg.train.checkpoints
         changes = resume_changes.review(path, cfg, resume) if path is not None else None
         for line in changes.lines if changes else []:
@@ -473,10 +471,10 @@ def train(
         result = TrainResult()
         start = 0
         if run.is_main:
-            checkpoint.remove_partial(cfg.output_dir)
+            directory.remove_partial(cfg.output_dir)
         if path is not None:
             progress.say(f"loading {path}")
-            start = checkpoint.load(run, path, loader)
+            start = load.load(run, path, loader)
             if changes.peak_changed:  # the saved state holds the old peak and its rate
                 rebase(run.scheduler, cfg.optim.lr)
             elif changes.schedule_changed:  # ... the old schedule's rate at this position
@@ -487,7 +485,7 @@ def train(
         last = cfg.train.steps
         reporter = Reporter(cfg, start=start, enabled=run.is_main)
 
-        pending: checkpoint.PendingSave | None = None  # a checkpoint being written
+        pending: saving.PendingSave | None = None  # a checkpoint being written
 
         def keep(step: int) -> None:
             """Start the checkpoint of `step`, once the one before it is published (a save
@@ -495,7 +493,7 @@ def train(
             nonlocal pending
             if save:
                 publish()
-                pending = checkpoint.save(run, step, loader, keep=cfg.train.keep_checkpoints)
+                pending = saving.save(run, step, loader, keep=cfg.train.keep_checkpoints)
                 if not pending.background:  # written already: no step between
                     publish()
 
@@ -506,7 +504,7 @@ def train(
             nonlocal pending
             if pending is not None:
                 started = time.perf_counter()
-                saved = checkpoint.publish(run, pending, run_ends=run_ends)
+                saved = publishing.publish(run, pending, run_ends=run_ends)
                 waited = pending.waited_s + time.perf_counter() - started
                 reporter.message(f"checkpoint {saved.name} saved (training waited {waited:.2f} s)")
                 result.checkpoint = str(saved)

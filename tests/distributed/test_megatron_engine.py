@@ -131,7 +131,10 @@ MEGATRON = {"engine": "megatron", "checkpoints": False}
             {"parallel": {"pipeline_parallel": 2}},
             "parallel.pipeline_parallel needs train.engine=megatron",
         ),
-        ({"train": {"engine": "megatron"}}, "train.engine=megatron writes no checkpoints yet"),
+        (
+            {"train": {"engine": "megatron", "layout_free_checkpoints": False}},
+            "train.layout_free_checkpoints=false keeps DeepSpeed's own optimizer state",
+        ),
         (
             {"train": MEGATRON, "parallel": {"pipeline_parallel": 3}},
             "model.num_layers=4 does not split over parallel.pipeline_parallel=3 stages",

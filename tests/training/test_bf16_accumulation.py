@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from del_megatron import DigitVocab, NumericLossConfig
+from del_megatron.checkpoint import optim_state
+from del_megatron.checkpoint.engines.deepspeed import DeepSpeedAdapter
 from del_megatron.config import deepspeed_config, parse_run_config
 from del_megatron.losses import numeric_loss, vocab_parallel_numeric_loss
 from del_megatron.losses.fused import vocab_parallel_fused_numeric_loss
 from del_megatron.models.device import select_accelerator
-from del_megatron.training import layout_free
 
 MICRO_BATCHES = 64
 BOUND = 4e-3  # relative norm error of the step's summed gradient
@@ -181,7 +182,7 @@ def test_fused_weight_gradient_under_deepspeeds_bf16_optimizer(one_rank):
 
 
 def test_layout_free_state_of_deepspeeds_bf16_optimizer_round_trips(one_rank, tmp_path):
-    """The layout-free checkpoint state (training/layout_free.py) reads and writes the
+    """The layout-free checkpoint state (checkpoint/optim_state.py) reads and writes the
     BF16_Optimizer that ZeRO 1 becomes with float32 sums: fp32 masters and both Adam moments
     saved from one engine load bit for bit into a fresh one, whose bf16 weights follow. The
     state is the one of the save, though the file is written after two more steps (as the
@@ -198,8 +199,14 @@ def test_layout_free_state_of_deepspeeds_bf16_optimizer_round_trips(one_rank, tm
             saved.backward(saved(x[batch], y[batch]))
             saved.step()
         where = dict(tp_rank=0, tp_size=1, vocab_size=32)  # no vocabulary rows in this model
-        write = layout_free.save_job(
-            saved.module, saved.optimizer, tmp_path, **where, dp_rank=0, dp_size=1, extra={}
+        write = optim_state.save_job(
+            DeepSpeedAdapter(saved, zero3=False),
+            tmp_path,
+            **where,
+            dp_rank=0,
+            dp_size=1,
+            pp_size=1,
+            extra={},
         )
         param = saved.module.weight
         keys = ("exp_avg", "exp_avg_sq")
@@ -210,7 +217,7 @@ def test_layout_free_state_of_deepspeeds_bf16_optimizer_round_trips(one_rank, tm
             saved.step()
         assert not torch.equal(safe_get_full_fp32_param(param), want["fp32"])
         write()
-        layout_free.load(fresh.module, fresh.optimizer, tmp_path, **where)
+        optim_state.load(DeepSpeedAdapter(fresh, zero3=False), tmp_path, **where)
         got = fresh.module.weight
         assert torch.equal(safe_get_full_fp32_param(got), want["fp32"])
         for key in keys:

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import load_file
 
-from del_megatron.training import checkpoint
+from del_megatron.checkpoint import save as saving
+from del_megatron.checkpoint.engines.deepspeed import DeepSpeedAdapter
 
 
 class Gathers:
@@ -51,7 +52,7 @@ def test_zero3_weights_are_gathered_one_parameter_at_a_time(tmp_path, monkeypatc
         dp_rank=0,
         is_main=False,
     )
-    checkpoint._weights_job(run, tmp_path)()
+    saving._weights_job(run, DeepSpeedAdapter(run.engine, zero3=True), tmp_path)()
     params = list(module.parameters())
     assert gathers.most == 1
     assert [id(p) for p in gathers.gathered] == [id(p) for p in params]

@@ -1,4 +1,4 @@
-"""The background half of a save (training/checkpoint_writer.py): jobs run behind the
+"""The background half of a save (checkpoint/writer.py): jobs run behind the
 caller and hand back their files' entries or their error; what a save hands the writer is a
 host copy, unchanged by the training that goes on while it writes."""
 
@@ -12,8 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from del_megatron.checkpoint import directory, writer
+from del_megatron.checkpoint import publish as publishing
+from del_megatron.checkpoint import save as saving
+from del_megatron.checkpoint.engines.deepspeed import DeepSpeedAdapter
 from del_megatron.checksums import hash_file
-from del_megatron.training import checkpoint, checkpoint_writer
 
 from ..distributed.launcher import run_torchrun
 
@@ -24,14 +27,14 @@ def test_jobs_run_behind_the_caller_and_hand_back_their_entries(tmp_path):
     def job():
         release.wait(timeout=60)
         (tmp_path / "a.bin").write_bytes(b"abc" * 1000)
-        return checkpoint_writer.flushed(tmp_path, "a.bin")
+        return writer.flushed(tmp_path, "a.bin")
 
-    writing = checkpoint_writer.start([job], [tmp_path], background=True)
+    writing = writer.start([job], [tmp_path], background=True)
     assert not writing.written()  # the caller goes on while the job waits
     release.set()
     assert writing.result() == {"a.bin": hash_file(tmp_path / "a.bin")}
     assert writing.written()
-    inline = checkpoint_writer.start([job], [tmp_path], background=False)
+    inline = writer.start([job], [tmp_path], background=False)
     assert inline.written() and inline.result() == writing.result()
 
 
@@ -41,23 +44,21 @@ def test_a_failed_job_is_raised_by_result_and_stops_the_rest(tmp_path):
     def full_disk():
         raise OSError(28, "No space left on device")
 
-    writing = checkpoint_writer.start(
-        [full_disk, lambda: ran.append(1) or {}], [tmp_path], background=True
-    )
+    writing = writer.start([full_disk, lambda: ran.append(1) or {}], [tmp_path], background=True)
     with pytest.raises(OSError, match="No space"):
         writing.result()
     assert ran == []
 
 
-def pending_save(tmp_path, job) -> checkpoint.PendingSave:
+def pending_save(tmp_path, job) -> saving.PendingSave:
     """A save of step 1 under tmp_path whose one job is `job`, written behind the caller."""
     (tmp_path / ".tmp-step-0000001").mkdir()
-    return checkpoint.PendingSave(
+    return saving.PendingSave(
         tmp=tmp_path / ".tmp-step-0000001",
         final=tmp_path / "step-0000001",
         keep=0,
         needed=1 << 20,
-        writing=checkpoint_writer.start([job], [], background=True),
+        writing=writer.start([job], [], background=True),
         background=True,
         waited_s=0.0,
     )
@@ -83,8 +84,8 @@ def test_a_write_the_disk_refused_is_one_line_at_the_publish(tmp_path, group, er
     def job():
         raise error
 
-    with pytest.raises(checkpoint.CheckpointError) as refused:
-        checkpoint.publish(run, pending_save(tmp_path, job))
+    with pytest.raises(directory.CheckpointError) as refused:
+        publishing.publish(run, pending_save(tmp_path, job))
     assert "\n" not in str(refused.value) and str(tmp_path) in str(refused.value)
     assert not (tmp_path / "step-0000001").exists()
 
@@ -98,9 +99,9 @@ def test_files_json_on_a_full_disk_is_one_line_at_the_publish(tmp_path, group, m
     def index_on_a_full_disk(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.checkpoint_files, "write_index", index_on_a_full_disk)
-    with pytest.raises(checkpoint.CheckpointError, match="no space left on the device"):
-        checkpoint.publish(run, pending_save(tmp_path, lambda: {}))
+    monkeypatch.setattr(publishing.files, "write_index", index_on_a_full_disk)
+    with pytest.raises(directory.CheckpointError, match="no space left on the device"):
+        publishing.publish(run, pending_save(tmp_path, lambda: {}))
     assert not (tmp_path / "step-0000001").exists()
 
 
@@ -111,17 +112,17 @@ def test_a_bug_in_a_writer_is_raised_as_it_is(tmp_path, group):
         raise TypeError("a bug of ours")
 
     with pytest.raises(TypeError, match="a bug of ours"):
-        checkpoint.publish(run, pending_save(tmp_path, job))
+        publishing.publish(run, pending_save(tmp_path, job))
 
 
 def test_old_checkpoints_being_deleted_count_as_free_space(tmp_path):
     """The next save's space check runs while the deletion behind training may not have
-    ended: the bytes still there are ours to count (checkpoint.check_space)."""
+    ended: the bytes still there are ours to count (saving.check_space)."""
     (tmp_path / ".tmp-old-step-0000001" / "optim").mkdir(parents=True)
     (tmp_path / ".tmp-old-step-0000001" / "optim" / "a").write_bytes(b"x" * 300)
     (tmp_path / "step-0000002").mkdir()
     (tmp_path / "step-0000002" / "b").write_bytes(b"x" * 50)  # kept: not being freed
-    assert checkpoint.being_freed(tmp_path) == 300
+    assert saving.being_freed(tmp_path) == 300
 
 
 def test_the_weights_written_are_those_of_the_save(tmp_path, monkeypatch):
@@ -138,7 +139,7 @@ def test_the_weights_written_are_those_of_the_save(tmp_path, monkeypatch):
         dp_rank=0,
         is_main=False,
     )
-    write = checkpoint._weights_job(run, tmp_path)
+    write = saving._weights_job(run, DeepSpeedAdapter(run.engine, zero3=False), tmp_path)
     with torch.no_grad():
         for param in module.parameters():
             param.add_(1.0)  # the next optimizer step, in place

@@ -1,7 +1,8 @@
-"""A checkpoint's data state (training/checkpoint.py, data/state.py): written as one record
+"""A checkpoint's data state (checkpoint/save.py, checkpoint/directory.py, data/state.py):
+written as one record
 (the segment with its taken sets once, one record per data-parallel rank) gathered to the rank
 that writes it without bytes growing with the tensor-parallel size; read through one function
-(checkpoint.data_state) whether written so or in the list form of before (one state per
+(directory.data_state) whether written so or in the list form of before (one state per
 global rank, tensor-parallel copies included), at the saved layout and at another.
 
 The save is run for every rank of a layout in one process: the gather is replaced by one that
@@ -16,8 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from del_megatron.checkpoint import directory
+from del_megatron.checkpoint import save as saving
 from del_megatron.data import DataConfig, DataSource, StreamingLoader
-from del_megatron.training import checkpoint
 
 from .test_bad_input import fake_checkpoint, setup, with_optimizer_files  # noqa: F401
 
@@ -31,7 +33,7 @@ def assert_data_state_record(checkpoint_dir: Path, *, dp_size: int) -> None:
     assert record["version"] == 3 and record["dp_size"] == dp_size
     assert [rank["dp_rank"] for rank in record["ranks"]] == list(range(dp_size))
     assert record["segment"]["taken"] is not None
-    saved = checkpoint.data_state(checkpoint_dir)
+    saved = directory.data_state(checkpoint_dir)
     assert saved is not None and all(rank.workers for rank in saved.ranks)
 
 
@@ -57,7 +59,7 @@ def resharded_loaders(manifest: Path) -> list[StreamingLoader]:
 
 
 def save_every_rank(directory: Path, loaders, tp: int, monkeypatch) -> dict[int, int]:
-    """checkpoint._data_state_job (and its write) on every global rank of TP x DP (rank =
+    """saving._data_state_job (and its write) on every global rank of TP x DP (rank =
     tp_rank + TP x dp_rank, megatron's order), the writer (rank 0) last; returns the bytes
     each rank sent."""
     from megatron.core import parallel_state
@@ -75,9 +77,10 @@ def save_every_rank(directory: Path, loaders, tp: int, monkeypatch) -> dict[int,
         monkeypatch.setattr(
             parallel_state, "get_tensor_model_parallel_rank", lambda tp_rank=tp_rank: tp_rank
         )
-        monkeypatch.setattr(checkpoint.collectives, "gather_object", gather)
+        monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 0)
+        monkeypatch.setattr(saving.collectives, "gather_object", gather)
         run = SimpleNamespace(is_main=rank == 0, dp_group=None)
-        job = checkpoint._data_state_job(run, directory, loaders[dp_rank])
+        job = saving._data_state_job(run, directory, loaders[dp_rank])
         if job is not None:
             job()
     return sent
@@ -113,7 +116,7 @@ def test_a_checkpoint_of_the_list_form_reads_as_one_of_the_record(
 ):
     """The list form written before (checkpoint.py then: json.dumps of every global rank's
     state_dict(), tensor-parallel peers alike, at TP 2) and the record read through
-    checkpoint.data_state into the same typed state, which the loader resumes at the saved
+    directory.data_state into the same typed state, which the loader resumes at the saved
     layout and at others (tests/data/test_state.py: the same batches from the same state)."""
     loaders = resharded_loaders(synth_shards)
     new, old = tmp_path / "record", tmp_path / "list"
@@ -122,14 +125,14 @@ def test_a_checkpoint_of_the_list_form_reads_as_one_of_the_record(
     save_every_rank(new, loaders, 2, monkeypatch)
     states = [loader.state_dict() for loader in loaders]
     (old / "data_state.json").write_text(json.dumps([s for s in states for _ in range(2)]))
-    saved = checkpoint.data_state(new)
+    saved = directory.data_state(new)
     assert saved is not None and len(saved.ranks) == DP
-    assert checkpoint.data_state(old) == saved
+    assert directory.data_state(old) == saved
     for dp_size in (DP, 1):
         for rank in range(dp_size):
             a = StreamingLoader(loaders[0].cfg, rank, dp_size)
             b = StreamingLoader(loaders[0].cfg, rank, dp_size)
-            assert a.resume(checkpoint.data_state(old)) == b.resume(saved)
+            assert a.resume(directory.data_state(old)) == b.resume(saved)
             assert a.state_dict() == b.state_dict()
 
 
@@ -154,12 +157,13 @@ def test_the_dry_run_resumes_either_form_at_the_saved_layout_and_another(
     if form == "list":
         (path / "data_state.json").write_text(json.dumps([state, state]))
     else:
-        monkeypatch.setattr(checkpoint.collectives, "gather_object", lambda obj, group: [obj])
+        monkeypatch.setattr(saving.collectives, "gather_object", lambda obj, group: [obj])
         from megatron.core import parallel_state
 
         monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+        monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 0)
         run = SimpleNamespace(is_main=True, dp_group=None)
-        checkpoint._data_state_job(run, path, loader)()
+        saving._data_state_job(run, path, loader)()
     extra = [] if layout == "saved" else ["parallel.tensor_parallel=1"]
     code = main(["--config", str(config), "--dry-run", *extra, "--resume", str(path)])
     out, err = capsys.readouterr()

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from del_megatron.checkpoint import load as loading
+from del_megatron.checkpoint import optim_format, rng
 from del_megatron.checksums import hash_file
-from del_megatron.training import checkpoint, layout_free
 
 from ..distributed.launcher import ROOT, run_torchrun
 
@@ -111,7 +112,9 @@ def test_every_layout_loads_every_other_bit_for_bit(
         # every rank wrote its own part
         assert written == {(t, d) for t in range(tp) for d in range(nproc // tp)}
         files = sorted(f.name for f in (path / "optim").glob("*.safetensors"))
-        assert files == [layout_free.file_name(t, d) for t in range(tp) for d in range(nproc // tp)]
+        assert files == [
+            optim_format.file_name(t, d) for t in range(tp) for d in range(nproc // tp)
+        ]
 
 
 @pytest.mark.slow
@@ -158,10 +161,10 @@ def test_streamed_safetensors_file_reads_back(tmp_path):
     metadata = {"steps": json.dumps({"a": 3})}
     with open(path, "wb") as handle:
         handle.write(
-            layout_free._header([(k, tuple(v.shape)) for k, v in tensors.items()], metadata)
+            optim_format._header([(k, tuple(v.shape)) for k, v in tensors.items()], metadata)
         )
         for value in tensors.values():
-            layout_free._write_tensor(handle, value)
+            optim_format._write_tensor(handle, value)
     with safe_open(str(path), framework="pt") as handle:
         assert handle.metadata() == metadata
         for name, value in tensors.items():
@@ -171,13 +174,13 @@ def test_streamed_safetensors_file_reads_back(tmp_path):
 def test_layout_comparison_and_derived_seeds():
     saved = {"tensor_parallel": 2, "data_parallel": 1, "zero_stage": None}
     same = {"tensor_parallel": 2, "data_parallel": 1, "zero_stage": 3}
-    assert not checkpoint.changed(saved, same)  # unrecorded stage: DeepSpeed decides
-    assert checkpoint.changed({**saved, "zero_stage": 1}, same)
-    assert checkpoint.changed(saved, {**same, "data_parallel": 2})
-    seeds = {checkpoint.derived_seed(7, step, dp) for step in (10, 11) for dp in (0, 1, 2)}
+    assert not loading.changed(saved, same)  # unrecorded stage: DeepSpeed decides
+    assert loading.changed({**saved, "zero_stage": 1}, same)
+    assert loading.changed(saved, {**same, "data_parallel": 2})
+    seeds = {rng.derived_seed(7, step, dp) for step in (10, 11) for dp in (0, 1, 2)}
     assert len(seeds) == 6 and all(0 <= s < 2**63 for s in seeds)
-    assert checkpoint.derived_seed(7, 10, 1) == checkpoint.derived_seed(7, 10, 1)
-    assert checkpoint.derived_seed(8, 10, 1) != checkpoint.derived_seed(7, 10, 1)
+    assert rng.derived_seed(7, 10, 1) == rng.derived_seed(7, 10, 1)
+    assert rng.derived_seed(8, 10, 1) != rng.derived_seed(7, 10, 1)
 
 
 @pytest.mark.parametrize("stride", [1, 2])
@@ -190,7 +193,7 @@ def test_slice_plan_reads_what_merge_then_split_gives(stride):
         assert torch.equal(merge(shards, (1, stride)), full)
         for world in (1, 2, 4, 6):
             for rank in range(world):
-                plan = layout_free.slice_plan(24 * stride, stride, saved_world, rank, world)
+                plan = optim_format.slice_plan(24 * stride, stride, saved_world, rank, world)
                 read = torch.cat([shards[o][:, a:b] for o, a, b in plan], dim=1)
                 assert torch.equal(read, split(full, (1, stride), rank, world)), plan
 
@@ -220,7 +223,7 @@ def test_every_shipped_vocabulary_is_stored_alike_and_loads_at_tp_1_2_4_8(config
     for saved_tp in sizes:
         saved_rows = arch.padded_vocab_size(saved_tp) // saved_tp
         stored = [
-            real[r * saved_rows :][: layout_free.stored_rows(vocab, saved_rows, r)]
+            real[r * saved_rows :][: optim_format.stored_rows(vocab, saved_rows, r)]
             for r in range(saved_tp)
         ]
         assert torch.equal(torch.cat(stored), real)  # the same whatever the layout
@@ -230,9 +233,9 @@ def test_every_shipped_vocabulary_is_stored_alike_and_loads_at_tp_1_2_4_8(config
             model = torch.cat([real, torch.zeros(padded - vocab, 1)])
             for rank in range(tp):
                 shape = (padded // tp, 1)  # the model's shard at this size
-                plan = layout_free.vocab_plan(vocab, saved_rows, shape[0], rank)
+                plan = optim_format.vocab_plan(vocab, saved_rows, shape[0], rank)
                 for shards in (stored, format1):
-                    got = layout_free.with_padding([shards[o][a:b] for o, a, b in plan], shape)
+                    got = optim_format.with_padding([shards[o][a:b] for o, a, b in plan], shape)
                     assert torch.equal(got, split(model, (0, 1), rank, tp)), (saved_tp, tp, rank)
 
 
@@ -273,7 +276,7 @@ def ranges(numel: int, parts: int) -> list[tuple[int, int]]:
 
 
 class MemoryFiles:
-    """layout_free.OpenFiles over in-memory 1-D tensors, counting the elements read."""
+    """optim_format.OpenFiles over in-memory 1-D tensors, counting the elements read."""
 
     def __init__(self, tensors):
         self.tensors, self.directory, self.read_elements = tensors, Path("mem"), 0
@@ -289,7 +292,7 @@ def saved_fragments(shards: list[torch.Tensor], dp: int):
     for tp, shard in enumerate(shards):
         flat = shard.flatten()
         for d, (a, b) in enumerate(ranges(flat.numel(), dp)):
-            file = layout_free.file_name(tp, d)
+            file = optim_format.file_name(tp, d)
             found.append({"tp": tp, "dp": d, "start": a, "stop": b, "file": file})
             tensors[(file, "w/fp32")] = flat[a:b]
     return found, MemoryFiles(tensors)
@@ -318,22 +321,22 @@ def test_flat_runs_read_each_new_range_as_merge_then_split_gives(dim, stride):
             for tp in (1, 2, 4):
                 for rank in range(tp):
                     mine = split(full, (dim, stride), rank, tp)
-                    d, pieces = layout_free._new_shard(
+                    d, pieces = optim_format.new_shard(
                         entry, saved_tp, tuple(mine.shape), tp_rank=rank, tp_size=tp, vocab=None
                     )
                     for a, b in ranges(mine.numel(), 2):
                         files.read_elements = 0
-                        runs = layout_free.flat_runs(
+                        runs = optim_format.flat_runs(
                             pieces, mine.shape, d, shards[0].shape[d], a, b
                         )
-                        got = layout_free._from_fragments(files, entry, "fp32", runs, b - a)
+                        got = optim_format.from_fragments(files, entry, "fp32", runs, b - a)
                         assert torch.equal(got, mine.flatten()[a:b]), (saved_tp, saved_dp, tp, rank)
                         assert files.read_elements == b - a
             if saved_tp == 2:  # the same layout: one run per fragment it overlaps
-                d, pieces = layout_free._new_shard(
+                d, pieces = optim_format.new_shard(
                     entry, 2, tuple(shards[1].shape), tp_rank=1, tp_size=2, vocab=None
                 )
-                runs = layout_free.flat_runs(
+                runs = optim_format.flat_runs(
                     pieces, shards[1].shape, d, shards[1].shape[d], 0, shards[1].numel()
                 )
                 assert runs == [(0, 1, 0, shards[1].numel())]
@@ -357,13 +360,13 @@ def test_flat_runs_read_the_tokenizer_rows_and_leave_padding_zero():
     model = torch.cat([real, torch.zeros(1536 - vocab, h)])
     for rank in range(4):
         mine = split(model, (0, 1), rank, 4)
-        d, pieces = layout_free._new_shard(
+        d, pieces = optim_format.new_shard(
             entry, 1, tuple(mine.shape), tp_rank=rank, tp_size=4, vocab=vocab
         )
         for a, b in ranges(mine.numel(), 3):
             files.read_elements = 0
-            runs = layout_free.flat_runs(pieces, mine.shape, d, 1152, a, b)
-            got = layout_free._from_fragments(files, entry, "fp32", runs, b - a)
+            runs = optim_format.flat_runs(pieces, mine.shape, d, 1152, a, b)
+            got = optim_format.from_fragments(files, entry, "fp32", runs, b - a)
             assert torch.equal(got, mine.flatten()[a:b]), (rank, a, b)
             assert files.read_elements == int(mine.flatten()[a:b].count_nonzero())
 
@@ -372,23 +375,23 @@ def test_written_pieces_read_back_by_byte_range(tmp_path):
     """write_pieces' 1-D tensors and buffers read back whole and by range through OpenFiles;
     a range of a tensor the file lacks is one line naming the file."""
     pieces = [
-        ("a", 4, 10, {k: torch.randn(6) for k in layout_free.KEYS}),
-        ("b", 0, 1, {k: torch.randn(1) for k in layout_free.KEYS}),
+        ("a", 4, 10, {k: torch.randn(6) for k in optim_format.KEYS}),
+        ("b", 0, 1, {k: torch.randn(1) for k in optim_format.KEYS}),
     ]
     buffers = [("c", torch.randn(2, 3))]
     (tmp_path / "optim").mkdir()
-    entry = layout_free.write_pieces(
+    entry = optim_format.write_pieces(
         tmp_path / "optim" / "f.safetensors", pieces, buffers, {"x": "1"}
     )
     assert entry["bytes"] == (tmp_path / "optim" / "f.safetensors").stat().st_size
-    with layout_free.OpenFiles(tmp_path) as files:
+    with optim_format.OpenFiles(tmp_path) as files:
         for name, _, _, values in pieces:
             for key, value in values.items():
                 assert torch.equal(
                     files.read("f.safetensors", f"{name}/{key}", 0, len(value)), value
                 )
                 assert torch.equal(files.read("f.safetensors", f"{name}/{key}", 1, 2), value[1:2])
-        with pytest.raises(layout_free.LayoutFreeError, match="f.safetensors: unreadable"):
+        with pytest.raises(optim_format.LayoutFreeError, match="f.safetensors: unreadable"):
             files.read("f.safetensors", "d/fp32", 0, 1)
 
 
@@ -400,9 +403,9 @@ def test_an_index_of_format_3_without_fragments_is_one_line(tmp_path):
     params = [{"name": "w", "canonical": "w", "partition": None, "shape": [2], "writer": 0}]
     index = {"format": 3, "tensor_parallel": 1, "data_parallel": 1, "params": params}
     (tmp_path / "optim" / "index.json").write_text(json.dumps(index))
-    with pytest.raises(layout_free.LayoutFreeError, match="index.json: unreadable") as refused:
-        layout_free.read_index(tmp_path)
+    with pytest.raises(optim_format.LayoutFreeError, match="index.json: unreadable") as refused:
+        optim_format.read_index(tmp_path)
     assert "\n" not in str(refused.value)
     params[0]["fragments"] = []
     (tmp_path / "optim" / "index.json").write_text(json.dumps(index))
-    assert layout_free.read_index(tmp_path)["format"] == 3
+    assert optim_format.read_index(tmp_path)["format"] == 3

@@ -360,7 +360,7 @@ def test_bad_checkpoints_give_one_line_and_exit_non_zero(
     for state in saved.glob("optim/*.safetensors"):
         state.write_bytes(state.read_bytes()[:100])  # corrupted
     # cut short: refused by its size in files.json before anything reads it (the start-up
-    # check, training/checkpoint_files.py)
+    # check, checkpoint/files.py)
     fails(
         [*base, "--resume", str(saved)],
         "tp00-dp00.safetensors: unreadable (100 bytes",

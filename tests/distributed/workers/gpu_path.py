@@ -68,8 +68,9 @@ def config(tokenizer: str, manifest: str, kind: str, out: str, steps: int):
 def main() -> None:
     tokenizer, manifest, kind, out = sys.argv[1:5]
     resume_kind = sys.argv[5] if len(sys.argv) > 5 else kind
+    from del_megatron.checkpoint import load, save
     from del_megatron.data import StreamingLoader
-    from del_megatron.training import checkpoint, trainer
+    from del_megatron.training import trainer
     from del_megatron.training.metrics import Reporter
 
     residency = Residency()
@@ -81,8 +82,8 @@ def main() -> None:
     StreamingLoader.__iter__ = residency.host_batches(StreamingLoader.__iter__)
     trainer.train_step = residency.phased("train_step", trainer.train_step)
     trainer.evaluate = residency.phased("evaluate", trainer.evaluate)
-    checkpoint.save = residency.phased("checkpoint.save", checkpoint.save)
-    checkpoint.load = residency.phased("checkpoint.load", checkpoint.load)
+    save.save = residency.phased("checkpoint.save", save.save)
+    load.load = residency.phased("checkpoint.load", load.load)
     if hasattr(Reporter, "flush"):
         Reporter.flush = residency.phased("flush", Reporter.flush)
     run_dir = str(Path(out).parent / "run")

@@ -13,22 +13,22 @@ import sys
 import time
 from pathlib import Path
 
+from del_megatron.checkpoint import directory, writer
 from del_megatron.cli.train import main
-from del_megatron.training import checkpoint, checkpoint_writer
 
 RANK, STEP, MARKER = os.environ["DEL_TEST_HOLD"].split(":", 2)
-real_run = checkpoint_writer._run
+real_run = writer._run
 
 
 def held_run(jobs, writing, directories) -> None:
-    held_dir = checkpoint.TMP_PREFIX + f"{checkpoint.PREFIX}{int(STEP):07d}"
+    held_dir = directory.TMP_PREFIX + f"{directory.PREFIX}{int(STEP):07d}"
     if os.environ["RANK"] == RANK and directories[0].name == held_dir:
         Path(MARKER).touch()
         time.sleep(3600)
     real_run(jobs, writing, directories)
 
 
-checkpoint_writer._run = held_run
+writer._run = held_run
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """torchrun worker: one parallel layout of the layout-free checkpoint test.
 
-For each checkpoint directory named in LOAD: load it at this layout (checkpoint.load) and
+For each checkpoint directory named in LOAD: load it at this layout (checkpoint/load.py) and
 check that the gathered fp32 master weights, both Adam moments and every parameter's Adam
 step equal the saved ones bit for bit (the saved state in the TP 1 layout, merged from the
 files), that the model's weights equal the masters, and that the schedule is where it was.
@@ -34,18 +34,29 @@ import torch
 import torch.distributed as dist
 
 from del_megatron import collectives
+from del_megatron.checkpoint import load as loading
+from del_megatron.checkpoint import optim_format, optim_state, rng
+from del_megatron.checkpoint import publish as publishing
+from del_megatron.checkpoint import save as saving
+from del_megatron.checkpoint.engines import deepspeed as deepspeed_engine
+from del_megatron.checkpoint.engines import trained_parameters
 from del_megatron.config import load_run_config
 from del_megatron.models.hf_tensors import canonical
 from del_megatron.models.sharding import merge, partition_of_param
-from del_megatron.training import checkpoint, fragments, layout_free
 from del_megatron.training.trainer import setup, train_step
 
 
 def gathered_tp1(run, param, key: str) -> torch.Tensor:
     """One parameter's `key` as the optimizer holds it, in the TP 1 layout."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from megatron.core import parallel_state
 
-    value = layout_free._get(param, key).detach().float().contiguous()  # [tp shard], dp-gathered
+    full = (
+        safe_get_full_fp32_param(param)
+        if key == "fp32"
+        else safe_get_full_optimizer_state(param, key)
+    )
+    value = full.detach().float().contiguous()  # [tp shard], dp-gathered
     partition = partition_of_param(param)
     if partition is None or run.cfg.parallel.tensor_parallel == 1:
         return value
@@ -59,10 +70,10 @@ def model_weights_tp1(run) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state
 
     module = run.engine.module
-    params = [p for _, p in layout_free.trained_parameters(module)]
+    params = [p for _, p in trained_parameters(module)]
     out = {}
     with deepspeed.zero.GatheredParameters(params, enabled=run.cfg.parallel.zero_stage == 3):
-        for name, param in layout_free.trained_parameters(module):
+        for name, param in trained_parameters(module):
             value, partition = param.detach().float().contiguous(), partition_of_param(param)
             if partition is not None and run.cfg.parallel.tensor_parallel > 1:
                 group = parallel_state.get_tensor_model_parallel_group()
@@ -75,7 +86,7 @@ def tokenizer_rows(run, name: str, value: torch.Tensor, when: str, *, zero_paddi
     """A TP 1 tensor's rows the layout-free state keeps: a vocabulary tensor's first
     vocab_size rows (with `zero_padding`, its padding rows, at the end in the TP 1 layout,
     must be zero), any other tensor whole."""
-    if not layout_free.has_vocab_rows(name):
+    if not optim_format.has_vocab_rows(name):
         return value
     vocab = run.cfg.model.vocab_size
     padded = run.cfg.model.padded_vocab_size(run.cfg.parallel.tensor_parallel)
@@ -91,14 +102,14 @@ def assert_state_equals_files(run, path: Path, when: str, *, made_padding: bool)
     (`made_padding`: loaded at another layout)."""
     from megatron.core import parallel_state
 
-    index = layout_free.read_index(path)
+    index = optim_format.read_index(path)
     saved = {e["canonical"]: e for e in index["params"]}
-    steps = layout_free.adam_steps(run.engine.optimizer)
+    steps = deepspeed_engine.adam_steps(run.engine.optimizer)
     weights = model_weights_tp1(run)
-    for name, param in layout_free.trained_parameters(run.engine.module):
+    for name, param in trained_parameters(run.engine.module):
         entry = saved[canonical(name)]
         assert steps[id(param)] == entry["step"], f"{when}: {name} step {steps[id(param)]}"
-        for key in layout_free.KEYS:
+        for key in optim_format.KEYS:
             full = gathered_tp1(run, param, key)
             if key == "fp32":
                 assert torch.equal(weights[name], full), (
@@ -106,20 +117,20 @@ def assert_state_equals_files(run, path: Path, when: str, *, made_padding: bool)
                 )
             zero = made_padding or key != "fp32"
             mine = tokenizer_rows(run, name, full, f"{when}: {key}", zero_padding=zero)
-            theirs = layout_free.saved_full(path, index, entry, key)
+            theirs = optim_format.saved_full(path, index, entry, key)
             assert mine.shape == theirs.shape, f"{when}: {name}/{key} {mine.shape}"
             assert torch.equal(mine, theirs), (
                 f"{when}: {name}/{key} differs by {(mine - theirs).abs().max().item()}"
             )
     assert run.scheduler.last_epoch == index["scheduler_last_epoch"], when
     saved_buffers = {e["canonical"]: e for e in index["buffers"]}
-    for name, buffer in layout_free.saved_buffers(run.engine.module):
+    for name, buffer in saved_buffers(run.engine.module):
         entry = saved_buffers[canonical(name)]
         value = buffer.detach().float().contiguous()
         if entry["partition"] and run.cfg.parallel.tensor_parallel > 1:
             group = parallel_state.get_tensor_model_parallel_group()
             value = merge(collectives.all_gather(value, group=group), tuple(entry["partition"]))
-        expected = layout_free.saved_full(path, index, entry, layout_free.BUFFER)
+        expected = optim_format.saved_full(path, index, entry, optim_format.BUFFER)
         value = tokenizer_rows(run, name, value, when, zero_padding=made_padding)
         assert torch.equal(value, expected), f"{when}: buffer {name} differs"
     return len(saved) + len(saved_buffers)
@@ -128,11 +139,11 @@ def assert_state_equals_files(run, path: Path, when: str, *, made_padding: bool)
 def assert_derived_rng(run, path: Path, step: int) -> None:
     """At other tensor/data-parallel sizes the generator is seeded from (seed, step,
     data-parallel rank), before anything draws from it."""
-    saved = checkpoint.saved_layout(json.loads((path / "meta.json").read_text()))
-    wanted = checkpoint.run_layout(run.cfg, run.world)
+    saved = loading.saved_layout(json.loads((path / "meta.json").read_text()))
+    wanted = loading.run_layout(run.cfg, run.world)
     if all(saved[k] == wanted[k] for k in ("tensor_parallel", "data_parallel")):
         return
-    seed = checkpoint.derived_seed(run.cfg.train.seed, step, run.dp_rank)
+    seed = rng.derived_seed(run.cfg.train.seed, step, run.dp_rank)
     expected = torch.rand(4, generator=torch.Generator().manual_seed(seed))
     assert torch.equal(torch.rand(4), expected), f"{path}: RNG not derived from {seed}"
 
@@ -202,7 +213,7 @@ class CountingHandle:
         return self.inner.__exit__(*exc)
 
     def count(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        if name.rsplit("/", 1)[-1] in layout_free.KEYS:
+        if name.rsplit("/", 1)[-1] in optim_format.KEYS:
             self.counter[0] += value.numel() * value.element_size()
         return value
 
@@ -245,13 +256,13 @@ def own_slice_bytes(run) -> int:
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     total = 0
-    for name, param in layout_free.trained_parameters(run.engine.module):
-        span = fragments.owned(param)
+    for name, param in trained_parameters(run.engine.module):
+        span = deepspeed_engine.owned(param)
         if span is None or (partition_of_param(param) is None and tp_rank > 0):
             continue
-        shape = layout_free.full_shape(param)
-        if layout_free.has_vocab_rows(name):
-            rows = layout_free.stored_rows(run.cfg.model.vocab_size, shape[0], tp_rank)
+        shape = deepspeed_engine.full_shape(param)
+        if optim_format.has_vocab_rows(name):
+            rows = optim_format.stored_rows(run.cfg.model.vocab_size, shape[0], tp_rank)
             shape = (rows, *shape[1:])
         total += 12 * max(0, min(span[1], int(torch.Size(shape).numel())) - span[0])
     return total
@@ -259,14 +270,14 @@ def own_slice_bytes(run) -> int:
 
 def state_bytes(path: Path) -> int:
     """12 bytes an element of the stored state (every saved shard, tokenizer rows only)."""
-    index = layout_free.read_index(path)
+    index = optim_format.read_index(path)
     total = 0
     for entry in index["params"]:
         ranks = index["tensor_parallel"] if entry["partition"] else 1
         for tp in range(ranks):
             shape = tuple(entry["shape"])
             if entry["vocab_rows"] is not None:
-                shape = (layout_free.stored_rows(entry["vocab_rows"], shape[0], tp), *shape[1:])
+                shape = (optim_format.stored_rows(entry["vocab_rows"], shape[0], tp), *shape[1:])
             total += 12 * int(torch.Size(shape).numel())
     return total
 
@@ -307,8 +318,8 @@ def assert_reads_are_slices(run, path: Path, read: int) -> None:
     """Where the load read the layout-free state (at another layout, or at the saved one
     without DeepSpeed's), this rank read <= 1.1 x its new slice of the state's tensors, all
     ranks together <= 1.1 x the state."""
-    saved = checkpoint.saved_layout(json.loads((path / "meta.json").read_text()))
-    if not checkpoint.reads_layout_free(path, saved, checkpoint.run_layout(run.cfg, run.world)):
+    saved = loading.saved_layout(json.loads((path / "meta.json").read_text()))
+    if not loading.reads_layout_free(path, saved, loading.run_layout(run.cfg, run.world)):
         return
     mine, state = own_slice_bytes(run), state_bytes(path)
     assert read <= 1.1 * mine, f"rank {run.rank} read {read} bytes of {path}, its slice {mine}"
@@ -328,18 +339,18 @@ def main() -> None:
     started = time.perf_counter()
     run = setup(cfg)
     timings = [f"setup {time.perf_counter() - started:.1f}s"]
-    layout = checkpoint.describe(checkpoint.run_layout(cfg, run.world))
+    layout = loading.describe(loading.run_layout(cfg, run.world))
     step, made_padding = 0, False
     for path in [Path(p) for p in load.split(",") if p != "-"]:
         started = time.perf_counter()
         read = [0]
         with counted_reads(read):
-            step = checkpoint.load(run, path, None)
+            step = loading.load(run, path, None)
         timings.append(f"load {time.perf_counter() - started:.2f}s")
         assert_reads_are_slices(run, path, read[0])
         assert_derived_rng(run, path, step)
-        saved_layout = checkpoint.saved_layout(json.loads((path / "meta.json").read_text()))
-        made_padding = checkpoint.changed(saved_layout, checkpoint.run_layout(cfg, run.world))
+        saved_layout = loading.saved_layout(json.loads((path / "meta.json").read_text()))
+        made_padding = loading.changed(saved_layout, loading.run_layout(cfg, run.world))
         when = f"{path} loaded at {layout}"
         count = assert_state_equals_files(run, path, when, made_padding=made_padding)
         if run.is_main:
@@ -349,17 +360,17 @@ def main() -> None:
             train_step(run, random_batches(run, s), s)
         started = time.perf_counter()
         sent = [0]
-        real_save = layout_free.save_job
+        real_save = optim_state.save_job
 
         def counted_save(*args, **kwargs):
             with counted_collectives(sent):
                 return real_save(*args, **kwargs)
 
-        layout_free.save_job = counted_save
+        optim_state.save_job = counted_save
         try:
-            saved = checkpoint.publish(run, checkpoint.save(run, step + 6, None, keep=0))
+            saved = publishing.publish(run, saving.save(run, step + 6, None, keep=0))
         finally:
-            layout_free.save_job = real_save
+            optim_state.save_job = real_save
         timings.append(f"save {time.perf_counter() - started:.2f}s")
         mine = own_slice_bytes(run)
         assert sent[0] <= 1.1 * mine, (

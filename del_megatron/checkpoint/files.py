@@ -1,14 +1,14 @@
-"""The files of a checkpoint: which ones a resume reads, their index (`files.json`: every
+"""The files of a checkpoint: their index (`files.json`: every
 file's size and SHA-256), the start-up check of sizes and headers, and the verification of
 contents when a checkpoint is loaded.
 
 * **Written** by `write_index` at the end of a save, once every rank has written its files:
-  each file a save's writer wrote is taken as it hashed it (training/checkpoint_writer.py;
+  each file a save's writer wrote is taken as it hashed it (checkpoint/writer.py;
   the layout-free state as it streamed, `HashingWriter`); any other file (DeepSpeed's own,
   with train.layout_free_checkpoints=false) is hashed by one rank, the ranks sharing the
   files round robin, and rank 0 writes the index.
 * **Checked** by `check_files` before anything loads (the dry run, `--check` and the run
-  share it through `checkpoint.check`): every file the load will read exists, has the size
+  share it through `load.check`): every file the load will read exists, has the size
   the index records and a whole header (a torch zip's end record, a safetensors header whose
   tensors end at the file's end). Contents are not read here.
 * **Verified** by `verify_share` when the checkpoint is loaded: every rank hashes its share
@@ -36,8 +36,6 @@ from ..checksums import (
     verify_listed,
 )
 from ..inputs import check_whole
-
-DEEPSPEED_TAG = "state"  # the directory (DeepSpeed's "tag") of DeepSpeed's own files
 
 
 class CheckpointFileError(ChecksumError):
@@ -69,51 +67,17 @@ def write_index(directory: Path, known: dict[str, dict[str, Any]], rank: int, wo
         (directory / INDEX).write_text(json.dumps(index, indent=1))
 
 
-# ---- which files a resume reads -----------------------------------------------------------
-
-
-def deepspeed_files(meta: dict[str, Any]) -> list[str]:
-    """DeepSpeed's files of a checkpoint that a resume at its saved layout reads (DeepSpeed
-    0.19.8's names; a bf16 run's optimizer files carry a `bf16_` prefix, either is taken)."""
-    tp, dp, zero = meta.get("tensor_parallel"), meta.get("data_parallel"), meta.get("zero_stage")
-    if not isinstance(tp, int) or not isinstance(dp, int) or zero is None:
-        return []  # saved before the layout was recorded: DeepSpeed's own load says
-    names = []
-    for t in range(tp):
-        if zero == 3:
-            names += [f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt" for d in range(dp)]
-        else:
-            names.append(f"mp_rank_{t:02d}_model_states.pt")
-        names += [f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for d in range(dp)]
-    return [f"{DEEPSPEED_TAG}/{name}" for name in names]
-
-
-def layout_free_files(optim_index: dict[str, Any]) -> list[str]:
-    """The layout-free state's files a resume at another layout reads: format 3, every file
-    a fragment of a parameter is in; formats 1 and 2, the index's writers at every saved
-    tensor-parallel rank; the buffers' writers at every saved tensor-parallel rank."""
-    from . import layout_free
-
-    tensors = [*optim_index["params"], *optim_index.get("buffers", [])]
-    names = {f["file"] for e in tensors for f in e.get("fragments", [])}
-    writers = {e["writer"] for e in tensors if "writer" in e}
-    tp_size = int(optim_index["tensor_parallel"])
-    names |= {layout_free.file_name(tp, dp) for tp in range(tp_size) for dp in writers}
-    return [f"{layout_free.OPTIM}/{name}" for name in sorted(names)]
-
-
 # ---- sizes and headers --------------------------------------------------------------------
 
 
-def _present(checkpoint: Path, name: str) -> Path:
-    path = checkpoint / name
-    if path.is_file():
-        return path
-    if name.startswith(f"{DEEPSPEED_TAG}/zero_pp_rank_"):  # a bf16 run's optimizer file
-        bf16 = checkpoint / DEEPSPEED_TAG / f"bf16_{Path(name).name}"
-        if bf16.is_file():
-            return bf16
-    raise CheckpointFileError(f"{path}: missing (the resume reads it)")
+def _present(checkpoint: Path, name: str | tuple[str, ...]) -> Path:
+    """The file a load reads: `name`, or the first of alternatives present (an engine's
+    files named one way or another, engines/deepspeed.native_files)."""
+    names = (name,) if isinstance(name, str) else name
+    for each in names:
+        if (checkpoint / each).is_file():
+            return checkpoint / each
+    raise CheckpointFileError(f"{checkpoint / names[0]}: missing (the resume reads it)")
 
 
 def _check_header(path: Path, size: int) -> None:
@@ -148,7 +112,7 @@ def _check_header(path: Path, size: int) -> None:
                 )
 
 
-def check_files(checkpoint: Path, needed: list[str]) -> None:
+def check_files(checkpoint: Path, needed: list[str | tuple[str, ...]]) -> None:
     """The checkpoint whole (del_megatron/inputs.py: its files list, every file of it at its
     recorded size), and every file in `needed` (what the load reads) present with a whole
     header; contents are not read."""

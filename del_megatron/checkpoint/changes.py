@@ -28,7 +28,7 @@ import yaml
 from pydantic import BaseModel
 
 from ..config import ConfigError, RunConfig
-from .schedule import Schedule, saved_schedule
+from ..training.schedule import Schedule, saved_schedule
 
 
 class Effect(Enum):
@@ -116,9 +116,7 @@ TABLE: dict[str, Rule] = {
     "parallel.sequence_parallel": _same("refused by the config itself"),
     "parallel.collective_timeout_minutes": _same("how long a collective may wait, no value"),
     **{
-        f"parallel.{name}": _refused(
-            "a pipeline layout needs train.engine=megatron, which loads no checkpoint yet"
-        )
+        f"parallel.{name}": _same("another layout, from the layout-free state")
         for name in (
             "pipeline_parallel",
             "virtual_pipeline_parallel",
@@ -157,7 +155,10 @@ TABLE: dict[str, Rule] = {
     "train.layout_free_checkpoints": _INTERVAL,
     "train.background_checkpoints": _INTERVAL,
     "train.max_nonfinite_steps": _INTERVAL,
-    "train.engine": _refused("the megatron engine loads no checkpoint yet"),
+    "train.engine": _changes(
+        "the other engine from the layout-free state; megatron's optimizer, as Megatron-LM's, "
+        "decays no bias or norm weight, DeepSpeed's decays all"
+    ),
     "train.checkpoints": _INTERVAL,
     "data.tokenizer": _same("compared by content: another tokenizer is refused"),
     "data.sources": _changes(

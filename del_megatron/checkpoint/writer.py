@@ -1,6 +1,6 @@
 """The file-writing half of a checkpoint save, run behind training (or inline).
 
-A save is cut in two (training/checkpoint.py): everything that needs the other ranks or
+A save is cut in two (checkpoint/save.py): everything that needs the other ranks or
 the live training state — the collectives, and a copy to host memory of what this rank
 writes — runs on the training thread; what is left is a list of `Job`s that take host
 copies only and write this rank's files. `start` runs them in a thread; the step goes on.
@@ -11,7 +11,7 @@ collectives that could interleave with training's.
 
 Each job writes its files, flushes them to the disk (fsync: a published checkpoint
 survives a power loss, not only a kill) and returns their sizes and SHA-256 as written,
-the entries of the checkpoint's files.json (training/checkpoint_files.py).
+the entries of the checkpoint's files.json (checkpoint/files.py).
 """
 
 from __future__ import annotations

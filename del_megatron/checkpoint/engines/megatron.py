@@ -1,0 +1,234 @@
+"""The megatron engine's adapter (train.engine=megatron, training/megatron_engine.py): where
+megatron-core's optimizer keeps each parameter's fp32 master and Adam moments, over this
+rank's pipeline stage (its model chunks, parameters named as the whole model names them:
+models/sharding.global_name).
+
+* **FP32 optimizer** (CPU, float32): the parameters are the masters; every data-parallel
+  rank holds the whole of each, and rank 0 writes it (`writes`).
+* **bf16 optimizer without the distributed optimizer**: `fp32_from_float16_groups` beside
+  `float16_groups` (and `fp32_from_fp32_groups` for float32 parameters).
+* **Distributed optimizer** (GPU): each data-parallel rank's shard main parameter holds the
+  range `param_map[p]["param"]` of the flattened parameter (`_get_model_param_range_map`),
+  the ranges disjoint over ranks, as DeepSpeed's ZeRO fragments; after a load the masters
+  reach the weights as after megatron's step (`_copy_main_params_to_model_params`, then the
+  parameter all-gather).
+
+Adam's state is torch's (AdamW on CPU): `optimizer.state[main]` holds "step", "exp_avg" and
+"exp_avg_sq"; fused GPU optimizers that count the step in the group are read there.
+
+A tied embedding at pipeline parallel > 1 has a copy on the last stage (its output layer),
+kept equal by megatron (gradients all-reduced over the embedding group): the first stage
+writes it, and a load sets the copy from the same entry (`copies`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...models.sharding import global_name
+from . import FP32, saved_buffers
+
+
+@dataclass(frozen=True)
+class _Holder:
+    """Where one model parameter's master and state live on this rank."""
+
+    optimizer: Any  # the torch optimizer whose state holds `main`
+    main: torch.Tensor  # the fp32 master (the parameter itself for the FP32 optimizer)
+    span: tuple[int, int] | None  # the distributed optimizer's range; None: all of it
+    owner: Any  # the megatron optimizer (masters to weights)
+
+
+def _holders(optimizer: Any) -> dict[int, _Holder]:
+    """id(model parameter) -> its `_Holder`, for each megatron optimizer (one, or chained)."""
+    found: dict[int, _Holder] = {}
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = inner.optimizer
+        if hasattr(inner, "model_param_gbuf_map"):  # the distributed optimizer
+            for param in inner.model_param_gbuf_map:  # the parameters in this rank's shard
+                group, order = inner.model_param_group_index_map[param]
+                main = torch_optimizer.param_groups[group]["params"][order]
+                span = inner._get_model_param_range_map(param)["param"]
+                found[id(param)] = _Holder(torch_optimizer, main, (span.start, span.end), inner)
+        elif hasattr(inner, "float16_groups"):  # bf16 / fp16 with fp32 masters
+            for models, mains in zip(
+                inner.float16_groups, inner.fp32_from_float16_groups, strict=True
+            ):
+                for param, main in zip(models, mains, strict=True):
+                    found[id(param)] = _Holder(torch_optimizer, main, None, inner)
+            for group in inner.fp32_from_fp32_groups:
+                for param in group:
+                    found[id(param)] = _Holder(torch_optimizer, param, None, inner)
+        else:  # FP32Optimizer: the parameters are the masters
+            for group in torch_optimizer.param_groups:
+                for param in group["params"]:
+                    found[id(param)] = _Holder(torch_optimizer, param, None, inner)
+    return found
+
+
+def _is_tied_copy(chunk: torch.nn.Module, name: str) -> bool:
+    """The last stage's output layer of a tied model at pipeline parallel > 1 (at one stage
+    megatron allocates no such weight)."""
+    return (
+        name == "output_layer.weight"
+        and chunk.share_embeddings_and_output_weights
+        and not chunk.pre_process
+    )
+
+
+@dataclass
+class MegatronAdapter:
+    """The layout-free state's view of a MegatronEngine (engines/__init__.Adapter)."""
+
+    engine: Any  # training/megatron_engine.MegatronEngine
+    dp_rank: int
+    pp_rank: int | None = field(init=False)
+    holders: dict[int, _Holder] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from megatron.core import parallel_state
+
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank() if stages > 1 else None
+        self.holders = _holders(self.engine.optimizer)
+
+    def _named(self, copies: bool) -> list[tuple[str, torch.nn.Parameter]]:
+        return [
+            (global_name(chunk, name), param)
+            for chunk in self.engine.modules
+            for name, param in chunk.named_parameters()
+            if param.requires_grad and _is_tied_copy(chunk, name) == copies
+        ]
+
+    def parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return self._named(copies=False)
+
+    def copies(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return self._named(copies=True)
+
+    def buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [
+            (global_name(chunk, name), buffer)
+            for chunk in self.engine.modules
+            for name, buffer in saved_buffers(chunk)
+        ]
+
+    def shard_shape(self, param: torch.nn.Parameter) -> tuple[int, ...]:
+        return tuple(param.shape)
+
+    def owned(self, param: torch.nn.Parameter) -> tuple[int, int] | None:
+        holder = self.holders.get(id(param))
+        if holder is None:
+            return None
+        return holder.span or (0, param.numel())
+
+    def writes(self, param: torch.nn.Parameter) -> bool:
+        """A distributed optimizer's ranges are disjoint; otherwise data-parallel rank 0's."""
+        holder = self.holders.get(id(param))
+        return holder is not None and (holder.span is not None or self.dp_rank == 0)
+
+    def get(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
+        holder = self.holders[id(param)]
+        if key == FP32:
+            return holder.main.data.view(-1)
+        return holder.optimizer.state[holder.main][key].view(-1)
+
+    def put(self, param: torch.nn.Parameter, key: str, value: torch.Tensor) -> None:
+        target = self.get(param, key)
+        if value.shape != target.shape:
+            raise ValueError(f"a range of {target.numel()} elements set from {tuple(value.shape)}")
+        with torch.no_grad():
+            target.copy_(value.to(target.device, target.dtype))
+
+    def _optimizers(self) -> list[Any]:
+        unique = {id(h.optimizer): h.optimizer for h in self.holders.values()}
+        return list(unique.values())
+
+    def prepare(self) -> None:
+        """Adam's state as torch's AdamW makes it at its first step (a fresh engine, or one
+        whose steps so far were all skipped as non-finite, has none)."""
+        for optimizer in self._optimizers():
+            for group in optimizer.param_groups:
+                for main in group["params"]:
+                    state = optimizer.state[main]
+                    if state:
+                        continue
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(
+                        main, memory_format=torch.preserve_format
+                    )
+
+    def adam_steps(self) -> dict[int, int]:
+        steps = {}
+        for key, holder in self.holders.items():
+            state = holder.optimizer.state.get(holder.main, {})
+            group = next(
+                g
+                for g in holder.optimizer.param_groups
+                if any(p is holder.main for p in g["params"])
+            )
+            steps[key] = int(state.get("step", group.get("step", 0)))
+        return steps
+
+    def set_adam_step(self, step: int) -> None:
+        for optimizer in self._optimizers():
+            for group in optimizer.param_groups:
+                if "step" in group:  # fused optimizers that count per group
+                    group["step"] = step
+                for main in group["params"]:
+                    state = optimizer.state[main]
+                    if isinstance(state.get("step"), torch.Tensor):
+                        state["step"].fill_(step)
+                    elif "step" in state:
+                        state["step"] = step
+
+    def masters_to_weights(self) -> None:
+        """The model's weights from the masters, as megatron's step leaves them: the bf16
+        copies, and with the distributed optimizer the parameter all-gather."""
+        owners = {id(h.owner): h.owner for h in self.holders.values()}.values()
+        for owner in owners:
+            if hasattr(owner, "_copy_main_params_to_model_params"):
+                owner._copy_main_params_to_model_params()
+        if any(h.span is not None for h in self.holders.values()):
+            for chunk in self.engine.chunks:
+                chunk.start_param_sync(force_sync=True)
+
+    def counters(self, step: int, samples: int, skipped: int) -> dict[str, int]:
+        """The step counters the deepspeed engine keeps, from the loop's (a checkpoint of
+        either engine resumes in the other)."""
+        return {"global_steps": step, "global_samples": samples, "skipped_steps": skipped}
+
+    def set_counters(self, index: dict[str, Any]) -> None:
+        """megatron's engine keeps no counters of its own: the loop's step is the record's."""
+
+    def host_weights(self, keep: bool) -> dict[str, torch.Tensor]:
+        """{global name: host copy} of this stage's parameters when `keep`. With the
+        overlapped parameter all-gather, the last step's gather waits for the next forward:
+        it is made now, as Megatron-LM's save does (`disable_forward_pre_hook`)."""
+        overlapped = any(c.ddp_config.overlap_param_gather for c in self.engine.chunks)
+        if overlapped:
+            for chunk in self.engine.chunks:
+                chunk.disable_forward_pre_hook(param_sync=True)
+        try:
+            return {
+                name: param.detach().to("cpu", copy=True)
+                for name, param in self.parameters()
+                if keep
+            }
+        finally:
+            if overlapped:
+                for chunk in self.engine.chunks:
+                    chunk.enable_forward_pre_hook()
+
+    def state_bytes(self) -> tuple[int, int]:
+        """(trained elements of this rank's tensor-parallel shard over the whole pipeline,
+        estimated as this stage's times the stages; their element size)."""
+        from megatron.core import parallel_state
+
+        params = [p for _, p in self.parameters()]
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        return sum(p.numel() for p in params) * stages, params[0].element_size()
