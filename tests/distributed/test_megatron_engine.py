@@ -216,3 +216,83 @@ def test_a_stop_signal_to_the_last_stage_stops_every_stage(tmp_path, synth_token
     steps = [json.loads(line)["step"] for line in metrics_file.read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and 3 <= len(steps) < 400
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_stopped_then_killed_resumes_bit_for_bit(
+    tmp_path, synth_tokenizer, synth_shards
+):
+    """del-train at PP 2 (1 + 3 layers, EMO: its cost embedding and output layer on the last
+    stage), started as srun starts it, against its uninterrupted twin: SIGUSR1 to the last
+    stage only makes both stages save the step they are at and exit 75; `--resume same`
+    continues, is SIGKILLed on both ranks once the checkpoint of step 8 is published, and
+    continues again from the newest checkpoint to step 16. Every step's loss equals the
+    twin's bit for bit, and so do the last checkpoint's weights (model/tp00-pp00 and -pp01)
+    and its optimizer state's files."""
+    import signal
+    import time
+
+    from ..training.test_resume import losses, start_ranks, train_args
+
+    def args(out):
+        return train_args(
+            out,
+            synth_tokenizer,
+            synth_shards,
+            "train.steps=16",
+            "train.log_interval=1",
+            "train.save_interval=4",
+            "train.engine=megatron",
+            "loss.kind=emo",
+            "parallel.pipeline_parallel=2",
+            "parallel.first_stage_layers=1",
+            tp=1,
+        )
+
+    def until(ranks, metrics, step):
+        deadline = time.time() + 300
+        while not (
+            metrics.is_file()
+            and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines())
+        ):
+            assert time.time() < deadline and all(r.poll() is None for r in ranks)
+            time.sleep(0.05)
+
+    straight, out = tmp_path / "straight", tmp_path / "interrupted"
+    ranks = start_ranks(args(straight), 2)
+    said = [r.communicate(timeout=600)[0] for r in ranks]
+    assert [r.returncode for r in ranks] == [0, 0], said[0][-3000:]
+
+    ranks = start_ranks(args(out), 2)
+    until(ranks, out / "metrics.jsonl", 2)
+    ranks[1].send_signal(signal.SIGUSR1)  # the last stage alone
+    said = [r.communicate(timeout=300)[0] for r in ranks]
+    assert [r.returncode for r in ranks] == [75, 75], said
+    stopped = sorted((out / "checkpoints").glob("step-*"))
+    assert stopped and int(stopped[-1].name.split("-")[1]) < 16, said[0]
+
+    ranks = start_ranks([*args(out), "--resume", "same"], 2)
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "step-0000008" / "files.json").is_file():
+        assert time.time() < deadline and all(r.poll() is None for r in ranks)
+        time.sleep(0.02)
+    for rank in ranks:
+        rank.send_signal(signal.SIGKILL)
+        rank.wait()
+    newest = sorted((out / "checkpoints").glob("step-*"))[-1]
+    assert (newest / "files.json").is_file() and newest.name != "step-0000016"
+
+    ranks = start_ranks([*args(out), "--resume", "same"], 2)
+    said = [r.communicate(timeout=600)[0] for r in ranks]
+    assert [r.returncode for r in ranks] == [0, 0], said[0][-3000:]
+    resumed_at = int(newest.name.split("-")[1])
+    assert f"at step {resumed_at}" in said[0], said[0][-3000:]
+    a, b = losses(straight), losses(out)
+    assert sorted(a) == sorted(b) == list(range(1, 17))
+    for step in range(1, 17):
+        assert a[step] == b[step], (step, a[step], b[step])  # bit for bit
+    last = "checkpoints/step-0000016"
+    names = ["model/tp00-pp00.safetensors", "model/tp00-pp01.safetensors"]
+    names += [f"optim/tp00-pp{k:02d}-dp00.safetensors" for k in range(2)]
+    for name in names:
+        assert (straight / last / name).read_bytes() == (out / last / name).read_bytes(), name
