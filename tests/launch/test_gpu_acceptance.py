@@ -239,6 +239,34 @@ def test_stop_and_resume(tmp_path, mode, bump, stop_step, logged, expected):
     assert (result == "pass") if expected == "pass" else (expected in result), result
 
 
+@pytest.mark.parametrize(("mode", "change", "stop_step", "expected"), [
+    (acc.CPU, None, 4, "pass"),
+    (acc.GPU, lambda r: r.update(loss=r["loss"] * 1.01), 9, "pass"),  # bf16: within 2e-2
+    # the engines apart by more than megatron's undecayed norms (a wrong gradient scale, a
+    # lost optimizer state): 1e-2 on the CPU, 5e-2 on the GPU
+    (acc.CPU, lambda r: r.update(loss=r["loss"] * 1.01) if r["step"] > 4 else None, 4,
+     "loss_max_rel_diff"),
+    (acc.GPU, lambda r: r.update(loss=r["loss"] * 1.05), 9, "loss_max_rel_diff"),
+    (acc.CPU, None, 8, "stopped_at = 8"),  # the stop saved the last step: no resume seen
+])
+def test_the_megatron_engine_stops_resumes_and_follows_deepspeed(
+    tmp_path, mode, change, stop_step, expected
+):
+    write_run(tmp_path, "train-tp1", mode.steps)
+    run = tmp_path / "megatron-tp1"
+
+    def stopped(cmd):
+        write_run(tmp_path, run.name, stop_step, change)
+        shutil.rmtree(run / "checkpoints")
+        (run / "checkpoints" / f"step-{stop_step:07d}").mkdir(parents=True)
+
+    c = check(tmp_path, mode, actions={
+        0: stopped, 1: lambda cmd: write_run(tmp_path, run.name, mode.steps, change)})
+    result = verdict(acc.check_megatron_engine, c)
+    assert (result == "pass") if expected == "pass" else (expected in result), result
+    assert all("train.engine=megatron" in cmd for cmd, _ in c.calls)
+
+
 ISSUED = {"all_reduce": 40, "all_gather_object": 3, "gather_object": 1}
 
 

@@ -34,12 +34,11 @@ import torch
 import torch.distributed as dist
 
 from del_megatron import collectives
+from del_megatron.checkpoint import engines, optim_format, optim_state, rng
 from del_megatron.checkpoint import load as loading
-from del_megatron.checkpoint import optim_format, optim_state, rng
 from del_megatron.checkpoint import publish as publishing
 from del_megatron.checkpoint import save as saving
 from del_megatron.checkpoint.engines import deepspeed as deepspeed_engine
-from del_megatron.checkpoint.engines import trained_parameters
 from del_megatron.config import load_run_config
 from del_megatron.models.hf_tensors import canonical
 from del_megatron.models.sharding import merge, partition_of_param
@@ -70,10 +69,10 @@ def model_weights_tp1(run) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state
 
     module = run.engine.module
-    params = [p for _, p in trained_parameters(module)]
+    params = [p for _, p in engines.trained_parameters(module)]
     out = {}
     with deepspeed.zero.GatheredParameters(params, enabled=run.cfg.parallel.zero_stage == 3):
-        for name, param in trained_parameters(module):
+        for name, param in engines.trained_parameters(module):
             value, partition = param.detach().float().contiguous(), partition_of_param(param)
             if partition is not None and run.cfg.parallel.tensor_parallel > 1:
                 group = parallel_state.get_tensor_model_parallel_group()
@@ -106,7 +105,7 @@ def assert_state_equals_files(run, path: Path, when: str, *, made_padding: bool)
     saved = {e["canonical"]: e for e in index["params"]}
     steps = deepspeed_engine.adam_steps(run.engine.optimizer)
     weights = model_weights_tp1(run)
-    for name, param in trained_parameters(run.engine.module):
+    for name, param in engines.trained_parameters(run.engine.module):
         entry = saved[canonical(name)]
         assert steps[id(param)] == entry["step"], f"{when}: {name} step {steps[id(param)]}"
         for key in optim_format.KEYS:
@@ -124,7 +123,7 @@ def assert_state_equals_files(run, path: Path, when: str, *, made_padding: bool)
             )
     assert run.scheduler.last_epoch == index["scheduler_last_epoch"], when
     saved_buffers = {e["canonical"]: e for e in index["buffers"]}
-    for name, buffer in saved_buffers(run.engine.module):
+    for name, buffer in engines.saved_buffers(run.engine.module):
         entry = saved_buffers[canonical(name)]
         value = buffer.detach().float().contiguous()
         if entry["partition"] and run.cfg.parallel.tensor_parallel > 1:
@@ -256,7 +255,7 @@ def own_slice_bytes(run) -> int:
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     total = 0
-    for name, param in trained_parameters(run.engine.module):
+    for name, param in engines.trained_parameters(run.engine.module):
         span = deepspeed_engine.owned(param)
         if span is None or (partition_of_param(param) is None and tp_rank > 0):
             continue
