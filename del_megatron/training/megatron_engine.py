@@ -183,7 +183,7 @@ def _forward_step_func(device: torch.device, seq_len: int, probe: bool):
     probes_left = [probe]
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+        batch = next(data_iterator)  # None on a stage between the first and the last
         chunk = model.module
         tokens = positions = labels = loss_mask = None
         extra = {}
@@ -207,21 +207,27 @@ def _on(device: torch.device, batch: dict, *names: str) -> dict[str, torch.Tenso
     return {n: batch[n] for n in names} | batch_to_device(host, device)
 
 
-def _schedule(run, micro_batches: list[dict], *, forward_only: bool, probe: bool) -> list:
+def _schedule(run, micro_batches: list[dict | None], *, forward_only: bool, probe: bool) -> list:
     """The micro-batches through megatron's schedule: the report of each on the last stage,
-    nothing elsewhere."""
+    nothing elsewhere. A stage between the first and the last gets None for each (it reads
+    no data): the shapes of the activations it receives and sends are then the run's
+    micro-batch size and sequence length, which every training batch has."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     chunks = run.engine.chunks
     iterators = [iter(micro_batches) for _ in chunks]
-    batch = micro_batches[0]["tokens"]
+    real = next((b for b in micro_batches if b is not None), None)
+    if real is not None:
+        micro, seq = real["tokens"].shape
+    else:
+        micro, seq = run.cfg.train.micro_batch_size, run.cfg.train.seq_len
     return get_forward_backward_func()(
-        forward_step_func=_forward_step_func(run.device, batch.shape[1], probe),
+        forward_step_func=_forward_step_func(run.device, seq, probe),
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(micro_batches),
-        seq_length=batch.shape[1],
-        micro_batch_size=batch.shape[0],
+        seq_length=seq,
+        micro_batch_size=micro,
         forward_only=forward_only,
     )
 

@@ -222,15 +222,29 @@ def build_stages(cfg: RunConfig, device: torch.device, tokenizer) -> list[torch.
     return chunks
 
 
+def stage_reads_data(cfg: RunConfig) -> bool:
+    """Whether this rank reads the training data (megatron's parallel state set): all of them
+    but the pipeline stages between the first (tokens) and the last (labels, loss mask),
+    which take activations only, as in Megatron-LM's get_batch."""
+    if cfg.train.engine != "megatron" or cfg.parallel.pipeline_parallel == 1:
+        return True
+    from .megatron_engine import stage_flags
+
+    flags = stage_flags(cfg.parallel.virtual_pipeline_parallel)
+    return any(pre or post for pre, post, _ in flags)
+
+
 def trace_file(cfg: RunConfig, dp_rank: int) -> str | None:
     """This rank's file of trained documents under data.trace (None: no trace), one per
-    data-parallel rank, written by its first tensor-parallel rank (its peers get the same
-    batches)."""
+    data-parallel rank, written by its first tensor-parallel rank of the first pipeline
+    stage (its peers get the same batches)."""
     from pathlib import Path
 
     from megatron.core import parallel_state
 
     if cfg.data.trace is None or parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None
+    if parallel_state.get_pipeline_model_parallel_rank() != 0:
         return None
     Path(cfg.data.trace).mkdir(parents=True, exist_ok=True)
     return str(Path(cfg.data.trace) / f"dp{dp_rank:05d}.jsonl")
@@ -294,9 +308,12 @@ def _pair_means(sums: dict[str, list[float]]) -> dict[str, float]:
 
 
 def next_micro_batches(
-    run: Run, source: Iterator[dict[str, torch.Tensor]] | BatchSource, step: int
-) -> list[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of optimizer step `step` (0-based)."""
+    run: Run, source: Iterator[dict[str, torch.Tensor]] | BatchSource | None, step: int
+) -> list[dict[str, torch.Tensor] | None]:
+    """This rank's micro-batches of optimizer step `step` (0-based); None for each on a
+    pipeline stage that reads no data (`stage_reads_data`)."""
+    if source is None:
+        return [None] * run.accumulation
     if callable(source):
         return [source(step, m) for m in range(run.accumulation)]
     return [next(source) for _ in range(run.accumulation)]
@@ -460,7 +477,7 @@ def train(
         # one job writes an output_dir: a second is refused on every rank (outputs.py)
         held.enter_context(agreed_output_lock(Path(cfg.output_dir), leader=run.is_main))
         loader = None
-        if batches is None:
+        if batches is None and stage_reads_data(cfg):
             loader = StreamingLoader(
                 cfg.data_config(),
                 run.dp_rank,

@@ -296,3 +296,23 @@ def test_a_pipeline_run_stopped_then_killed_resumes_bit_for_bit(
     names += [f"optim/tp00-pp{k:02d}-dp00.safetensors" for k in range(2)]
     for name in names:
         assert (straight / last / name).read_bytes() == (out / last / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_the_stages_between_the_first_and_the_last_read_no_data(
+    tmp_path, synth_tokenizer, synth_shards
+):
+    """del-train's loop at PP 3 (2 + 1 + 1 layers) on the streaming loader: the middle stage
+    reads no training batch (as Megatron-LM's get_batch: activations only), the first and the
+    last read every one, 4 steps x 6 micro-batches, and the losses follow the deepspeed
+    engine's one-process run from the same weights on the same data (1e-4 relative; the
+    counts show a middle stage
+    that read the data, the losses one that fed the schedule wrong shapes or batches)."""
+    args = [str(synth_tokenizer), str(synth_shards), str(tmp_path)]
+    run_torchrun("pipeline_data.py", 1, *args, "one")  # first: it writes the initial weights
+    run_torchrun("pipeline_data.py", 3, *args, "pp3")
+    pp3, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("pp3", "one"))
+    assert pp3["batches"] == [24, 0, 24] and one["batches"] == [24]
+    assert len(pp3["losses"]) == len(one["losses"]) == 4
+    for step, (a, b) in enumerate(zip(pp3["losses"], one["losses"], strict=True), start=1):
+        assert abs(a - b) <= 1e-4 * abs(b), (step, a, b)
