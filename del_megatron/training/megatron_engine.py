@@ -16,6 +16,7 @@ needs on CPU) come from models/device.py; the engine reads none of its own.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -50,6 +51,25 @@ class MegatronEngine:
     def eval(self) -> None:
         for chunk in self.chunks:
             chunk.eval()
+
+
+@contextlib.contextmanager
+def synced_weights(engine: MegatronEngine):
+    """The chunks' weights as the last step left them, for a forward or a read outside the
+    training step. With the overlapped parameter all-gather (the distributed optimizer on
+    GPU) the step's gather is issued by the next training forward's pre-hook: Megatron-LM's
+    evaluation and save bracket themselves with `disable_forward_pre_hook(param_sync=True)`,
+    which gathers now, and `enable_forward_pre_hook`; so does this."""
+    overlapped = any(chunk.ddp_config.overlap_param_gather for chunk in engine.chunks)
+    if overlapped:
+        for chunk in engine.chunks:
+            chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        if overlapped:
+            for chunk in engine.chunks:
+                chunk.enable_forward_pre_hook()
 
 
 @dataclass

@@ -292,9 +292,14 @@ def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
             return megatron_engine.score(run, batch)
         return _forward(run, batch)[2]  # {name: [sum, count]}
 
+    synced = contextlib.nullcontext()
+    if run.cfg.train.engine == "megatron":
+        from .megatron_engine import synced_weights
+
+        synced = synced_weights(run.engine)  # the last step's weights, gathered
     run.engine.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), synced:
             evaluated = teacher_forced(
                 loader, score, _pair_means, device=run.device, group=run.dp_group
             )

@@ -13,8 +13,11 @@ models/sharding.global_name).
   reach the weights as after megatron's step (`_copy_main_params_to_model_params`, then the
   parameter all-gather).
 
-Adam's state is torch's (AdamW on CPU): `optimizer.state[main]` holds "step", "exp_avg" and
-"exp_avg_sq"; fused GPU optimizers that count the step in the group are read there.
+Adam's moments are `optimizer.state[main]["exp_avg"]` and `["exp_avg_sq"]`; the step is in
+that state for torch's Adam and AdamW (CPU, or a GPU without Transformer Engine and apex),
+and in the parameter group for the fused Adams megatron picks first on GPU (Transformer
+Engine's, apex's): `_steps_in_state`. The GPU paths follow megatron-core 0.16.1's and 0.19's
+sources line by line (the attributes read here exist in both) and have not run yet.
 
 A tied embedding at pipeline parallel > 1 has a copy on the last stage (its output layer),
 kept equal by megatron (gradients all-reduced over the embedding group): the first stage
@@ -43,16 +46,29 @@ class _Holder:
 
 
 def _holders(optimizer: Any) -> dict[int, _Holder]:
-    """id(model parameter) -> its `_Holder`, for each megatron optimizer (one, or chained)."""
+    """id(model parameter) -> its `_Holder`, for each megatron optimizer (one, or chained;
+    a stub optimizer, on a rank with nothing to train, holds none)."""
     found: dict[int, _Holder] = {}
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(inner, "is_stub_optimizer", False) or inner.optimizer is None:
+            continue
         torch_optimizer = inner.optimizer
         if hasattr(inner, "model_param_gbuf_map"):  # the distributed optimizer
-            for param in inner.model_param_gbuf_map:  # the parameters in this rank's shard
-                group, order = inner.model_param_group_index_map[param]
-                main = torch_optimizer.param_groups[group]["params"][order]
-                span = inner._get_model_param_range_map(param)["param"]
-                found[id(param)] = _Holder(torch_optimizer, main, (span.start, span.end), inner)
+            # the pairs megatron's own copy between masters and weights uses (the torch
+            # group lists fp32 shards before bf16 ones: not the buffer's order)
+            pairs = [
+                *zip(inner.model_float16_groups, inner.shard_fp32_from_float16_groups, strict=True),
+                *zip(inner.model_fp32_groups, inner.shard_fp32_groups, strict=True),
+            ]
+            for models, mains in pairs:
+                for param, main in zip(models, mains, strict=True):
+                    span = inner._get_model_param_range_map(param)["param"]
+                    if main.numel() != span.end - span.start:
+                        raise RuntimeError(
+                            f"megatron's shard of a parameter holds {main.numel()} elements, "
+                            f"its range {span.start}:{span.end}"
+                        )
+                    found[id(param)] = _Holder(torch_optimizer, main, (span.start, span.end), inner)
         elif hasattr(inner, "float16_groups"):  # bf16 / fp16 with fp32 masters
             for models, mains in zip(
                 inner.float16_groups, inner.fp32_from_float16_groups, strict=True
@@ -67,6 +83,12 @@ def _holders(optimizer: Any) -> dict[int, _Holder]:
                 for param in group["params"]:
                     found[id(param)] = _Holder(torch_optimizer, param, None, inner)
     return found
+
+
+def _steps_in_state(optimizer: Any) -> bool:
+    """torch's Adam and AdamW count the step per parameter in its state; the fused Adams
+    megatron prefers on GPU (Transformer Engine's, apex's) per group."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
 
 
 def _is_tied_copy(chunk: torch.nn.Module, name: str) -> bool:
@@ -148,54 +170,73 @@ class MegatronAdapter:
         return list(unique.values())
 
     def prepare(self) -> None:
-        """Adam's state as torch's AdamW makes it at its first step (a fresh engine, or one
-        whose steps so far were all skipped as non-finite, has none)."""
+        """Adam's state as the optimizer makes it at its first step (a fresh engine, or one
+        whose steps so far were all skipped as non-finite, has none): both moments, zero,
+        and for torch's Adam the step in the state, where torch keeps it (on the device when
+        the group is capturable or fused); a fused Adam keeps it in the group (`set_adam_step`)."""
         for optimizer in self._optimizers():
+            in_state = _steps_in_state(optimizer)
             for group in optimizer.param_groups:
+                on_device = group.get("capturable") or group.get("fused")
                 for main in group["params"]:
                     state = optimizer.state[main]
                     if state:
                         continue
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(
-                        main, memory_format=torch.preserve_format
-                    )
+                    if in_state:
+                        device = main.device if on_device else None
+                        state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = torch.zeros_like(main, memory_format=torch.preserve_format)
 
     def adam_steps(self) -> dict[int, int]:
         steps = {}
         for key, holder in self.holders.items():
-            state = holder.optimizer.state.get(holder.main, {})
-            group = next(
-                g
-                for g in holder.optimizer.param_groups
-                if any(p is holder.main for p in g["params"])
-            )
-            steps[key] = int(state.get("step", group.get("step", 0)))
+            if _steps_in_state(holder.optimizer):
+                step = holder.optimizer.state.get(holder.main, {}).get("step", 0)
+            else:
+                group = next(
+                    g
+                    for g in holder.optimizer.param_groups
+                    if any(p is holder.main for p in g["params"])
+                )
+                step = group.get("step", 0)
+            steps[key] = int(step.item() if isinstance(step, torch.Tensor) else step)
         return steps
 
     def set_adam_step(self, step: int) -> None:
         for optimizer in self._optimizers():
+            in_state = _steps_in_state(optimizer)
             for group in optimizer.param_groups:
-                if "step" in group:  # fused optimizers that count per group
-                    group["step"] = step
+                if not in_state:  # a fused Adam's count, as it keeps it
+                    held = group.get("step")
+                    if isinstance(held, torch.Tensor):
+                        held.fill_(step)
+                    elif getattr(optimizer, "capturable", False):
+                        device = group["params"][0].device
+                        group["step"] = torch.tensor([step], dtype=torch.int, device=device)
+                    else:
+                        group["step"] = step
+                    continue
                 for main in group["params"]:
                     state = optimizer.state[main]
                     if isinstance(state.get("step"), torch.Tensor):
                         state["step"].fill_(step)
-                    elif "step" in state:
-                        state["step"] = step
+                    else:
+                        state["step"] = torch.tensor(float(step))
 
     def masters_to_weights(self) -> None:
         """The model's weights from the masters, as megatron's step leaves them: the bf16
-        copies, and with the distributed optimizer the parameter all-gather."""
+        copies, and with the distributed optimizer the parameter all-gather, which every
+        data-parallel rank joins (decided by the engine's config, not by what this rank
+        holds: a rank whose shard is padding only joins it too)."""
         owners = {id(h.owner): h.owner for h in self.holders.values()}.values()
-        for owner in owners:
-            if hasattr(owner, "_copy_main_params_to_model_params"):
-                owner._copy_main_params_to_model_params()
-        if any(h.span is not None for h in self.holders.values()):
+        with torch.no_grad():
+            for owner in owners:
+                if hasattr(owner, "_copy_main_params_to_model_params"):
+                    owner._copy_main_params_to_model_params()
             for chunk in self.engine.chunks:
-                chunk.start_param_sync(force_sync=True)
+                if chunk.ddp_config.use_distributed_optimizer:
+                    chunk.start_param_sync(force_sync=True)
 
     def counters(self, step: int, samples: int, skipped: int) -> dict[str, int]:
         """The step counters the deepspeed engine keeps, from the loop's (a checkpoint of
@@ -206,23 +247,16 @@ class MegatronAdapter:
         """megatron's engine keeps no counters of its own: the loop's step is the record's."""
 
     def host_weights(self, keep: bool) -> dict[str, torch.Tensor]:
-        """{global name: host copy} of this stage's parameters when `keep`. With the
-        overlapped parameter all-gather, the last step's gather waits for the next forward:
-        it is made now, as Megatron-LM's save does (`disable_forward_pre_hook`)."""
-        overlapped = any(c.ddp_config.overlap_param_gather for c in self.engine.chunks)
-        if overlapped:
-            for chunk in self.engine.chunks:
-                chunk.disable_forward_pre_hook(param_sync=True)
-        try:
+        """{global name: host copy} of this stage's parameters when `keep`, gathered first
+        where the last step's gather waits for the next forward (`synced_weights`)."""
+        from ...training.megatron_engine import synced_weights
+
+        with synced_weights(self.engine):
             return {
                 name: param.detach().to("cpu", copy=True)
                 for name, param in self.parameters()
                 if keep
             }
-        finally:
-            if overlapped:
-                for chunk in self.engine.chunks:
-                    chunk.enable_forward_pre_hook()
 
     def state_bytes(self) -> tuple[int, int]:
         """(trained elements of this rank's tensor-parallel shard over the whole pipeline,
