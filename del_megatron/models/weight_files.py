@@ -194,7 +194,7 @@ def _rank_files(root: Path) -> list[list[Path]]:
     if not found:
         raise ConversionError(f"{root}: no tpNN.safetensors files")
     stages = sorted({p.stem.partition("-")[2] for p in found})
-    ranks = len(found) // len(stages)
+    ranks = len({p.stem.partition("-")[0] for p in found})
     expected = [
         [root / (f"tp{r:02d}" + (f"-{s}" if s else "") + ".safetensors") for s in stages]
         for r in range(ranks)

@@ -117,3 +117,41 @@ def test_names_outside_the_table_are_refused():
     for name in ("output_layer.weight", "decoder.layers.1.mlp.linear_fc1.weight", "nope"):
         with pytest.raises(ConversionError, match="has no Hugging Face counterpart"):
             find(name, arch)
+
+
+def test_a_pipelined_runs_weight_files_read_as_one_model(tmp_path):
+    """model/ of a run at pipeline parallel 2 (tpNN-ppKK.safetensors: each stage's layers by
+    their global number, the embedding on the first, the output layer on the last) reads as
+    the same weights as one stage's files; a stage file missing is refused in one line."""
+    from safetensors.torch import save_file
+
+    from del_megatron.models.weight_files import WEIGHTS, rank_file, write_files_list
+
+    arch = ARCHS["llama-gqa"]
+    read = reader_of(hf_state(arch))
+    names = megatron_names(arch)
+    padded = arch.padded_vocab_size(2)
+    shards = [
+        {n: rank_shard(read, n, arch, padded, r, 2).contiguous() for n in names} for r in range(2)
+    ]
+    write_weights(tmp_path / "one", iter(shards), arch, None)
+    staged = tmp_path / "staged"
+    write_weights(staged, iter(shards), arch, None)
+    root = staged / WEIGHTS
+    for rank, shard in enumerate(shards):
+        (root / rank_file(rank)).unlink()
+        first = {n: t for n, t in shard.items() if n.startswith("embedding") or ".layers.0." in n}
+        save_file(first, str(root / rank_file(rank, 0)))
+        last = {n: t for n, t in shard.items() if n not in first}
+        save_file(last, str(root / rank_file(rank, 1)))
+    (root / "files.json").unlink()
+    write_files_list(root)
+    one, pipelined = MegatronWeights(tmp_path / "one"), MegatronWeights(staged)
+    assert pipelined.tensor_parallel == 2 and pipelined.padded_vocab == one.padded_vocab
+    for name in names:
+        assert torch.equal(pipelined.full(name), one.full(name)), name
+    (root / rank_file(1, 1)).unlink()
+    (root / "files.json").unlink()
+    write_files_list(root)
+    with pytest.raises(ConversionError, match="the weight files are not tp00 to tp01-ppKK"):
+        MegatronWeights(staged)
