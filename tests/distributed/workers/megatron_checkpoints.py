@@ -24,14 +24,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.distributed.workers.megatron_engine import MICRO, config, full_parameters, global_batches
+from tests.distributed.workers.megatron_engine import batch_source, config, full_parameters
 
 SAVED_AT = 2
 
 
 def start(tokenizer: str, manifest: str, init_dir: Path, variant: str, out: Path):
-    from megatron.core import parallel_state
-
     from del_megatron.training.trainer import setup
 
     tied = variant.endswith("+tied")
@@ -43,16 +41,7 @@ def start(tokenizer: str, manifest: str, init_dir: Path, variant: str, out: Path
         }
     )
     run = setup(cfg)
-    steps = global_batches([ids[0] for ids in run.tokenizer.digit_vocab.digit_ids])
-
-    def batches(step: int, index: int):
-        dp = parallel_state.get_data_parallel_world_size()
-        block = index * dp + parallel_state.get_data_parallel_rank()
-        window, mask = steps[step]
-        rows = slice(block * MICRO, (block + 1) * MICRO)
-        return {"tokens": window[rows, :-1], "labels": window[rows, 1:], "loss_mask": mask[rows]}
-
-    return run, batches
+    return run, batch_source(run)
 
 
 def steps(run, batches, first: int, last: int) -> list[float]:

@@ -35,6 +35,11 @@ VOCAB = 800  # the batches are train_equivalence's: SEQ 32, MICRO 2, GLOBAL 8
 
 
 def config(tokenizer: str, manifest: str, variant: str, init_dir: str | None):
+    return parse_run_config(tree(tokenizer, manifest, variant, init_dir))
+
+
+def tree(tokenizer: str, manifest: str, variant: str, init_dir: str | None) -> dict:
+    """The variant's run config as a tree (`config` parses it)."""
     layout, _, kind = variant.partition("/")
     engine, tp, pp, *vp = layout.split(":")
     tied = kind.endswith("+tied")
@@ -44,39 +49,37 @@ def config(tokenizer: str, manifest: str, variant: str, init_dir: str | None):
         parallel["virtual_pipeline_parallel"] = int(vp[0])
     elif int(pp) > 1:
         parallel["first_stage_layers"] = 1  # 1 + 3: an uneven split
-    return parse_run_config(
-        {
-            "model": {
-                "vocab_size": VOCAB,
-                "hidden_size": 32,
-                "ffn_hidden_size": 64,
-                "num_layers": 4,
-                "num_attention_heads": 4,
-                "num_query_groups": 2,
-                "max_position_embeddings": 64,
-                "qkv_bias": True,
-                "tie_word_embeddings": tied,
-                "make_vocab_size_divisible_by": 64,
-            },
-            "loss": {"kind": kind, "normalize": "tokens"},
-            "parallel": parallel,
-            "optim": {"lr": 1e-3, "warmup_fraction": 0.2, "clip_grad": 1.0},
-            "train": {
-                "steps": 5,
-                "micro_batch_size": MICRO,
-                "global_batch_size": GLOBAL,
-                "seq_len": SEQ,
-                "device": "cpu",
-                "log_interval": 1,
-                "engine": engine,
-                "checkpoints": False,
-            },
-            "init": {"megatron": init_dir} if init_dir else {},
-            "data": {"tokenizer": tokenizer, "sources": [{"manifest": manifest}]},
-            "logging": {"wandb": "disabled", "progress_bar": False},
-            "output_dir": "/tmp/del-megatron-engine",
-        }
-    )
+    return {
+        "model": {
+            "vocab_size": VOCAB,
+            "hidden_size": 32,
+            "ffn_hidden_size": 64,
+            "num_layers": 4,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "max_position_embeddings": 64,
+            "qkv_bias": True,
+            "tie_word_embeddings": tied,
+            "make_vocab_size_divisible_by": 64,
+        },
+        "loss": {"kind": kind, "normalize": "tokens"},
+        "parallel": parallel,
+        "optim": {"lr": 1e-3, "warmup_fraction": 0.2, "clip_grad": 1.0},
+        "train": {
+            "steps": 5,
+            "micro_batch_size": MICRO,
+            "global_batch_size": GLOBAL,
+            "seq_len": SEQ,
+            "device": "cpu",
+            "log_interval": 1,
+            "engine": engine,
+            "checkpoints": False,
+        },
+        "init": {"megatron": init_dir} if init_dir else {},
+        "data": {"tokenizer": tokenizer, "sources": [{"manifest": manifest}]},
+        "logging": {"wandb": "disabled", "progress_bar": False},
+        "output_dir": "/tmp/del-megatron-engine",
+    }
 
 
 def write_init(tokenizer: str, manifest: str, init_dir: Path) -> None:
@@ -131,14 +134,11 @@ def full_parameters(run) -> dict[str, torch.Tensor]:
     return merged
 
 
-def run_variant(tokenizer: str, manifest: str, out_dir: Path, init_dir: Path, variant: str):
+def batch_source(run):
+    """(step, micro-batch) -> this data-parallel rank's rows of train_equivalence's global
+    batches."""
     from megatron.core import parallel_state
 
-    from del_megatron.training.trainer import next_micro_batches, setup, train_step
-
-    tied = variant.endswith("+tied")
-    cfg = config(tokenizer, manifest, variant, str(init_dir / ("tied" if tied else "untied")))
-    run = setup(cfg)
     steps = global_batches([ids[0] for ids in run.tokenizer.digit_vocab.digit_ids])
 
     def batches(step: int, index: int):
@@ -148,6 +148,17 @@ def run_variant(tokenizer: str, manifest: str, out_dir: Path, init_dir: Path, va
         rows = slice(block * MICRO, (block + 1) * MICRO)
         return {"tokens": window[rows, :-1], "labels": window[rows, 1:], "loss_mask": mask[rows]}
 
+    return batches
+
+
+def run_variant(tokenizer: str, manifest: str, out_dir: Path, init_dir: Path, variant: str):
+
+    from del_megatron.training.trainer import next_micro_batches, setup, train_step
+
+    tied = variant.endswith("+tied")
+    cfg = config(tokenizer, manifest, variant, str(init_dir / ("tied" if tied else "untied")))
+    run = setup(cfg)
+    batches = batch_source(run)
     trajectory = {"losses": [], "grad_norms": []}
     for step in range(1, cfg.train.steps + 1):
         values = train_step(run, next_micro_batches(run, batches, step - 1), step).metrics.values()

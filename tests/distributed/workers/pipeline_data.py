@@ -16,45 +16,20 @@ from pathlib import Path
 import torch.distributed as dist
 
 from del_megatron.config import parse_run_config
+from tests.distributed.workers.megatron_engine import tree
 
 
 def config(tokenizer: str, manifest: str, out: Path, engine: str, pp: int, init: Path):
-    parallel = {"tensor_parallel": 1, "pipeline_parallel": pp, "zero_stage": 1}
+    """workers/megatron_engine.py's model and optimizer; PP 3 splits its 4 layers 2 + 1 + 1;
+    4 steps of 12 sequences (6 micro-batches), no held-out evaluation."""
+    base = tree(tokenizer, manifest, f"{engine}:1:1/del", str(init))
+    base["parallel"] = {"tensor_parallel": 1, "pipeline_parallel": pp, "zero_stage": 1}
     if pp > 1:
-        parallel["first_stage_layers"] = 2
-    return parse_run_config(
-        {
-            "model": {
-                "vocab_size": 800,
-                "hidden_size": 32,
-                "ffn_hidden_size": 64,
-                "num_layers": 4,
-                "num_attention_heads": 4,
-                "num_query_groups": 2,
-                "max_position_embeddings": 64,
-                "qkv_bias": True,
-                "make_vocab_size_divisible_by": 64,
-            },
-            "loss": {"kind": "del", "normalize": "tokens"},
-            "parallel": parallel,
-            "optim": {"lr": 1e-3, "warmup_fraction": 0.2, "clip_grad": 1.0},
-            "train": {
-                "steps": 4,
-                "micro_batch_size": 2,
-                "global_batch_size": 12,
-                "seq_len": 32,
-                "device": "cpu",
-                "log_interval": 1,
-                "engine": engine,
-                "checkpoints": False,
-            },
-            "init": {"megatron": str(init)},
-            "data": {"tokenizer": tokenizer, "sources": [{"manifest": manifest}]},
-            "eval": {"sources": []},
-            "logging": {"wandb": "disabled", "progress_bar": False},
-            "output_dir": str(out),
-        }
-    )
+        base["parallel"]["first_stage_layers"] = 2
+    base["train"] = {**base["train"], "steps": 4, "global_batch_size": 12}
+    base["eval"] = {"sources": []}
+    base["output_dir"] = str(out)
+    return parse_run_config(base)
 
 
 def main() -> None:
