@@ -85,9 +85,12 @@ def describe(layout: dict[str, Any]) -> str:
     )
 
 
-def how_to_run(layout: dict[str, Any], world: Any) -> str:
+def how_to_run(layout: dict[str, Any], world: Any, engine: str) -> str:
+    """The overrides of the saved `layout` for a run now on `engine` (named when it differs:
+    DeepSpeed's own state is the deepspeed engine's)."""
     zero = "" if layout["zero_stage"] is None else f" parallel.zero_stage={layout['zero_stage']}"
-    return f"parallel.tensor_parallel={layout['tensor_parallel']}{zero} on {world} processes"
+    other = "" if layout["engine"] == engine else f"train.engine={layout['engine']} "
+    return f"{other}parallel.tensor_parallel={layout['tensor_parallel']}{zero} on {world} processes"
 
 
 def has_deepspeed_state(path: Path) -> bool:
@@ -124,7 +127,7 @@ def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
             raise CheckpointError(
                 f"{path}: saved at {describe(saved)} without the layout-free state (optim/), "
                 f"this run is at {describe(wanted)}: resume at the saved layout "
-                f"({how_to_run(saved, meta.get('world_size'))})"
+                f"({how_to_run(saved, meta.get('world_size'), wanted['engine'])})"
             )
         try:
             optim_format.read_index(path)

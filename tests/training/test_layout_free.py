@@ -145,6 +145,15 @@ def test_older_checkpoint_at_another_layout_is_refused_in_one_line(
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "saved at tensor parallel 2 x data parallel 2 without the layout-free state" in err
     assert "resume at the saved layout (parallel.tensor_parallel=2 on 4 processes)" in err
+    # DeepSpeed's own state at its own layout, asked for by the megatron engine: the line
+    # names the engine too (before: only the layout, which the run already had)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code = main(
+        ["--config", config, "--dry-run", "--resume", str(old), *args, "train.engine=megatron"]
+    )
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "(train.engine=deepspeed parallel.tensor_parallel=2 on 4 processes)" in err, err
 
 
 def test_streamed_safetensors_file_reads_back(tmp_path):
