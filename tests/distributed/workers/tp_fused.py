@@ -8,7 +8,7 @@ backward for an incoming per-token gradient of arbitrary values (the fallback), 
 `recompute=True`. And the collectives: one MAX and one SUM per chunk in forward, with as many
 elements in all as the unfused op's (the bytes per token), none in backward.
 
-argv: dtype (float64 | float32 | bfloat16)
+argv: dtypes (float64 | float32 | bfloat16), each checked in turn in this one process group
 """
 
 from __future__ import annotations
@@ -143,10 +143,14 @@ def compare(got, ref, dtype, what):
 
 
 def main() -> None:
-    dtype = getattr(torch, sys.argv[1])
     dist.init_process_group("gloo")
+    for name in sys.argv[1:]:
+        check_dtype(getattr(torch, name), dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+def check_dtype(dtype: torch.dtype, group) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
     count = 0
     for case in cases(rank, world):
         what = f"{case['what']} {dtype}"
@@ -178,7 +182,6 @@ def main() -> None:
         count += 1
     if rank == 0:
         print(f"OK {count} cases on {world} ranks in {dtype}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
