@@ -368,40 +368,50 @@ def check_grouped(rank, world):
     return cases
 
 
-def main() -> None:
-    mode = sys.argv[1]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def run_mode(mode: str, rank: int, world: int) -> int:
+    """One mode's checks; returns its number of cases."""
+    global vocab_parallel_numeric_loss
     if mode == "explicit-group":
         # megatron's parallel state is never initialized: the group must come from the caller
         group = dist.new_group(list(range(world)))
-        global vocab_parallel_numeric_loss
         plain = vocab_parallel_numeric_loss
 
         def with_group(*args, **kwargs):
             return plain(*args, group=group, **kwargs)
 
         vocab_parallel_numeric_loss = with_group
-        cases = check_against_reference(rank, world, torch.float64, 1e-10)
-    elif mode == "grouped":  # grouped digits alone (not launched by the suite: a quick run)
-        cases = check_grouped(rank, world)
-    else:
-        from megatron.core import parallel_state
+        try:
+            return check_against_reference(rank, world, torch.float64, 1e-10)
+        finally:
+            vocab_parallel_numeric_loss = plain
+    if mode == "grouped":  # grouped digits alone (not launched by the suite: a quick run)
+        return check_grouped(rank, world)
+    from megatron.core import parallel_state
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-        cases = check_against_reference(rank, world, torch.float64, 1e-10)
-        cases += check_against_reference(rank, world, torch.float32, 1e-5)
-        check_mle_equals_megatron(rank, world)
-        count_collectives(rank, world)
-        check_retain_graph_is_refused(rank, world)
-        check_saved_memory(rank, world)
-        check_bf16(rank, world)
-        grouped = check_grouped(rank, world)
-        if rank == 0:
-            print(f"OK {grouped} grouped cases on {world} ranks")
-    dist.barrier()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    cases = check_against_reference(rank, world, torch.float64, 1e-10)
+    cases += check_against_reference(rank, world, torch.float32, 1e-5)
+    check_mle_equals_megatron(rank, world)
+    count_collectives(rank, world)
+    check_retain_graph_is_refused(rank, world)
+    check_saved_memory(rank, world)
+    check_bf16(rank, world)
+    grouped = check_grouped(rank, world)
     if rank == 0:
-        print(f"OK {cases} cases on {world} ranks")
+        print(f"OK {grouped} grouped cases on {world} ranks")
+    return cases
+
+
+def main() -> None:
+    """argv: modes (explicit-group | grouped | reference), run in turn in one process group;
+    explicit-group before reference, which initializes megatron's parallel state."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for mode in sys.argv[1:]:
+        cases = run_mode(mode, rank, world)
+        dist.barrier()
+        if rank == 0:
+            print(f"OK {cases} cases on {world} ranks ({mode})")
     dist.destroy_process_group()
 
 
