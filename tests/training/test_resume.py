@@ -133,7 +133,10 @@ def assert_cost_embedding_checkpointed(first: Path, later: Path) -> None:
 # ntl_was: the digit kinds, with and without place weighting. The optimizer state is the
 # layout-free one, read at the saved layout too; ntl_was keeps DeepSpeed's own instead
 # (train.layout_free_checkpoints=false, and how every checkpoint was written before the
-# layout-free state was the one copy), read through DeepSpeed's load.
+# layout-free state was the one copy), read through DeepSpeed's load. del's SIGKILL and exact
+# resume (layout-free) is the background-write test's below, which resumes from the
+# checkpoint before a half-written one: a row of its own here added a run and a resume that
+# checked nothing that test does not.
 @pytest.fixture(scope="module")
 def straight_losses(synth_tokenizer, synth_shards, tmp_path_factory):
     """kind -> the losses of 20 steps without a checkpoint, each kind run once for the
@@ -150,7 +153,7 @@ def straight_losses(synth_tokenizer, synth_shards, tmp_path_factory):
     return of
 
 
-@pytest.mark.parametrize("kind,layout_free", [("del", True), ("emo", True), ("ntl_was", False)])
+@pytest.mark.parametrize("kind,layout_free", [("emo", True), ("ntl_was", False)])
 def test_exact_resume_after_sigkill(
     tmp_path, synth_tokenizer, synth_shards, straight_losses, kind, layout_free
 ):
