@@ -318,9 +318,14 @@ def test_resume_at_another_data_parallel_size(tmp_path, synth_tokenizer, synth_s
 
 
 def test_bad_checkpoints_give_one_line_and_exit_non_zero(
-    tmp_path, synth_tokenizer, synth_shards, spm_split_digits, synth_corpus
+    tmp_path, synth_tokenizer, synth_shards, spm_split_digits, synth_corpus, capsys, monkeypatch
 ):
+    """One real del-train on 2 ranks refuses a cut-short file in one line; the other refusals
+    are the checks it makes before anything starts (preflight), asked of `del-train
+    --dry-run` in this process at world size 2, each its exit status 2 and its one line (a
+    launch each cost a start-up of 2 ranks for a check that runs before them)."""
     from data_tools.build import build_shards
+    from del_megatron.cli.train import main
 
     out = tmp_path / "run"
     run(command(out, synth_tokenizer, synth_shards, "train.steps=2"))
@@ -335,26 +340,25 @@ def test_bad_checkpoints_give_one_line_and_exit_non_zero(
         lines = [line for line in proc.stderr.splitlines() if line.startswith("del-train: error")]
         assert lines and expected in lines[0], proc.stderr[-2000:]
 
-    fails(
-        [
-            *command(
-                out, synth_tokenizer, synth_shards, "train.steps=4", "model.ffn_hidden_size=256"
-            ),
-            "--resume",
-            str(saved),
-        ],
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def refused(tokenizer, manifest, resume, expected, *extra):
+        args = train_args(out, tokenizer, manifest, "train.steps=4", *extra)
+        code = main([*args, "--dry-run", "--resume", str(resume)])
+        _, err = capsys.readouterr()
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert expected in err, err
+
+    refused(
+        synth_tokenizer,
+        synth_shards,
+        saved,
         "saved with model.ffn_hidden_size=352, this run has 256",
+        "model.ffn_hidden_size=256",
     )  # another architecture
     other = tmp_path / "other-shards"
     build_shards([synth_corpus / "heldout.jsonl"], other, spm_split_digits, progress=False)
-    fails(
-        [
-            *command(out, spm_split_digits, other / "manifest.json", "train.steps=4"),
-            "--resume",
-            str(saved),
-        ],
-        "saved with another tokenizer",
-    )
+    refused(spm_split_digits, other / "manifest.json", saved, "saved with another tokenizer")
     rng = saved / "rng" / "rank00000.pt"
     original = rng.read_bytes()
     rng.write_bytes(original[:40])  # cut short
@@ -364,10 +368,12 @@ def test_bad_checkpoints_give_one_line_and_exit_non_zero(
         state.write_bytes(state.read_bytes()[:100])  # corrupted
     # cut short: refused by its size in files.json before anything reads it (the start-up
     # check, checkpoint/files.py)
-    fails(
-        [*base, "--resume", str(saved)],
+    refused(
+        synth_tokenizer,
+        synth_shards,
+        saved,
         "tp00-dp00.safetensors: unreadable (100 bytes",
     )
-    fails([*base, "--resume", str(tmp_path / "nowhere")], "nowhere: does not exist")
+    refused(synth_tokenizer, synth_shards, tmp_path / "nowhere", "nowhere: does not exist")
     (tmp_path / "empty").mkdir()  # a directory, but no checkpoint (no files.json)
-    fails([*base, "--resume", str(tmp_path / "empty")], "not a complete checkpoint")
+    refused(synth_tokenizer, synth_shards, tmp_path / "empty", "not a complete checkpoint")
