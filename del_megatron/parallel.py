@@ -75,6 +75,23 @@ def init_distributed(device: torch.device, timeout_minutes: float) -> tuple[int,
     return dist.get_rank(), dist.get_world_size()
 
 
+def end_distributed() -> None:
+    """Destroy this process's groups (megatron's parallel state, DeepSpeed's copy of the world
+    group, the default group) before the interpreter exits: a gloo group still alive then
+    can abort the process during finalization (its worker threads hold tensors whose release
+    needs the interpreter), turning a finished run's exit status into SIGABRT, and NCCL asks
+    for it on every exit. Afterwards this process can make fresh groups. Nothing to do where
+    none were made. Call it only where no collective is pending (every rank's run ended,
+    or an error every rank agreed on)."""
+    import sys
+
+    parallel_state.destroy_model_parallel()
+    if "deepspeed.utils.groups" in sys.modules:
+        sys.modules["deepspeed.utils.groups"]._WORLD_GROUP = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_model_parallel(
     tensor_parallel: int,
     timeout_minutes: float,

@@ -18,6 +18,33 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from del_megatron import collectives, parallel
+from tests.utils import end_process_group
+
+
+def test_del_eval_ends_the_groups_its_evaluation_made(monkeypatch):
+    """del-eval's process ends the groups it made before it returns (`cli/groups.py`), as
+    del-train's ranks do (tests/training/test_faults.py): a gloo group alive as the
+    interpreter ends can turn the exit status into SIGABRT. A caller's groups are its own."""
+    from del_megatron.cli import eval as del_eval
+    from del_megatron.evaluation import backends
+
+    end_process_group()  # none alive yet: a module before may have left its own
+
+    def evaluation(argv):  # the groups loading a model makes, then an evaluation's status
+        backends._single_process_groups(torch.device("cpu"))
+        assert dist.is_initialized() and parallel_state.model_parallel_is_initialized()
+        return 0
+
+    monkeypatch.setattr(del_eval, "evaluate_main", evaluation)
+    argv = ["/some/model", "--gsm8k", "problems.jsonl"]
+    assert del_eval.main(argv) == 0
+    assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+    backends._single_process_groups(torch.device("cpu"))  # a caller's, made before
+    try:
+        assert del_eval.main(argv) == 0
+        assert dist.is_initialized() and parallel_state.model_parallel_is_initialized()
+    finally:
+        end_process_group()
 
 
 def test_megatron_makes_no_group_of_another_backend(group, monkeypatch):

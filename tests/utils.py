@@ -46,17 +46,10 @@ def each_once(*assignments: str) -> list[str]:
 
 
 def end_process_group() -> None:
-    """Destroys the default process group with what megatron and DeepSpeed made on it: a test
-    module that makes a fresh group after this one would otherwise get megatron's parallel
-    state or DeepSpeed's clone of the world group (deepspeed/utils/groups.py caches it) from a
-    destroyed world ("Group ... is not registered"). One process makes its group once; only the
-    suite makes several."""
-    import sys
+    """Destroys the default process group with what megatron and DeepSpeed made on it, as
+    del-train does before it exits (`parallel.end_distributed`): a test module that makes a
+    fresh group after this one would otherwise get megatron's parallel state or DeepSpeed's
+    clone of the world group from a destroyed world ("Group ... is not registered")."""
+    from del_megatron.parallel import end_distributed
 
-    import torch.distributed as dist
-
-    if "megatron.core.parallel_state" in sys.modules:
-        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
-    if "deepspeed.utils.groups" in sys.modules:
-        sys.modules["deepspeed.utils.groups"]._WORLD_GROUP = None
-    dist.destroy_process_group()
+    end_distributed()

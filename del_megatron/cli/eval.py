@@ -28,6 +28,7 @@ from ..evaluation.generation import DEFAULT_TEMPLATE, GenerationSettings
 from ..evaluation.harness import LmEvalSettings
 from ..evaluation.heldout import DEFAULT_WINDOW, HeldoutSettings
 from .arguments import non_negative_int, positive_int, progress_bars
+from .groups import ended_on_return
 
 if TYPE_CHECKING:  # torch is imported when a model is evaluated: --help answers at once
     import torch
@@ -237,7 +238,12 @@ def compare_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """del-eval: its exit status, the groups loading a model made ended (cli/groups.py)."""
+    with ended_on_return():
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     try:
         use_writable_caches("del-eval")
         if argv[:1] == ["compare"]:

@@ -22,6 +22,7 @@ from ..errors import INTERRUPTED, UserError
 from ..losses import Objective
 from ..rendezvous import StoppedWhileWaiting
 from .arguments import positive_float, positive_int
+from .groups import ended_on_return
 
 # "Stopped on request, checkpoint saved: run me again" (sysexits.h EX_TEMPFAIL, "try again
 # later"). launch/slurm/train.sbatch requeues the job on exactly this status.
@@ -183,6 +184,12 @@ def leave_user_error(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """del-train: its exit status, the run's process groups ended (cli/groups.py)."""
+    with ended_on_return():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="del-train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="run config (YAML)")
     parser.add_argument(

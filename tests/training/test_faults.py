@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ..distributed.launcher import ROOT, free_port, torchrun_command, torchrun_env
+from ..distributed.launcher import ROOT, WORKERS, free_port, torchrun_command, torchrun_env
 from .test_resume import train_args as resume_args
 
 pytestmark = pytest.mark.slow
@@ -33,19 +33,24 @@ def train_args(out: Path, tokenizer, manifest, *extra: str) -> list[str]:
     )
 
 
-def one_process(out: Path, tokenizer, manifest, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "del_megatron.cli.train",
-        *train_args(out, tokenizer, manifest, *extra),
-    ]
+def one_process(
+    out: Path, tokenizer, manifest, *extra: str, worker: str | None = None
+) -> list[str]:
+    """del-train, or tests/distributed/workers/<worker> given del-train's arguments."""
+    target = [str(WORKERS / worker)] if worker else ["-m", "del_megatron.cli.train"]
+    return [sys.executable, *target, *train_args(out, tokenizer, manifest, *extra)]
 
 
-def two_ranks(out: Path, tokenizer, manifest, *extra: str) -> list[str]:
+def two_ranks(out: Path, tokenizer, manifest, *extra: str, worker: str | None = None) -> list[str]:
     """Data parallel 2: the same 8 sequences a step, 4 a rank."""
     args = train_args(out, tokenizer, manifest, "train.micro_batch_size=4", *extra)
-    return torchrun_command("-m del_megatron.cli.train", 2, *args)
+    return torchrun_command(worker or "-m del_megatron.cli.train", 2, *args)
+
+
+# del-train, then the groups its process kept (workers/train_then_groups.py): a gloo group
+# alive as the interpreter ends can turn the exit status into SIGABRT, now and then
+THEN_GROUPS = "train_then_groups.py"
+NO_GROUPS_LEFT = "groups after del-train: none"
 
 
 def run(cmd, **env) -> subprocess.CompletedProcess:
@@ -78,8 +83,9 @@ def user_errors(directory: Path) -> dict[str, str]:
 def saved(tmp_path_factory, synth_tokenizer, synth_shards):
     """A real checkpoint of 2 steps at ZeRO 1 on one process (step-0000002)."""
     out = tmp_path_factory.mktemp("faults") / "run"
-    done = run(one_process(out, synth_tokenizer, synth_shards, "train.steps=2"))
+    done = run(one_process(out, synth_tokenizer, synth_shards, "train.steps=2", worker=THEN_GROUPS))
     assert done.returncode == 0, done.stderr[-3000:]
+    assert NO_GROUPS_LEFT in done.stdout, done.stdout[-2000:]  # a run that ended
     return out
 
 
@@ -131,12 +137,7 @@ def test_a_second_job_into_a_running_jobs_output_is_refused_on_every_rank(
         errors.mkdir()
         second = run(
             [
-                *two_ranks(
-                    out,
-                    synth_tokenizer,
-                    synth_shards,
-                    LONG_RUN,
-                ),
+                *two_ranks(out, synth_tokenizer, synth_shards, LONG_RUN, worker=THEN_GROUPS),
                 "--resume",
                 "auto",
             ],
@@ -150,6 +151,8 @@ def test_a_second_job_into_a_running_jobs_output_is_refused_on_every_rank(
         assert sorted(left) == ["rank-0", "rank-1"], second.stderr[-3000:]
         assert all(expected in line for line in left.values()), left
         assert "del_megatron/" not in second.stderr, second.stderr[-3000:]  # no frame of ours
+        # the refusal came after the groups were made: they are ended on every rank too
+        assert second.stdout.count(NO_GROUPS_LEFT) == 2, second.stdout[-2000:]
         assert first.poll() is None  # the first job runs on
     finally:
         for p in [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]:

@@ -103,3 +103,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from del_megatron.parallel import end_distributed  # here: after the collectives' watch
+
+    end_distributed()  # as del-train ends: a gloo group alive at exit can abort it

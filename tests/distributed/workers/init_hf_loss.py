@@ -14,6 +14,7 @@ import torch.distributed as dist
 from del_megatron.config import parse_run_config
 from del_megatron.models.hf_config import architecture_from_hf
 from del_megatron.models.weight_files import HFCheckpoint
+from del_megatron.parallel import end_distributed
 from del_megatron.training.trainer import setup, train_step
 
 
@@ -60,3 +61,4 @@ def dist_world() -> int:
 
 if __name__ == "__main__":
     main()
+    end_distributed()  # as del-train ends: a gloo group alive at exit can abort it

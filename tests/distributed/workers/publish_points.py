@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gpu_path import config
 
+from del_megatron.parallel import end_distributed
 from del_megatron.training import trainer
 
 
@@ -46,3 +47,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed()  # as del-train ends: a gloo group alive at exit can abort it

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from del_megatron.checkpoint import load
 from del_megatron.config import load_run_config
 from del_megatron.models.sharding import gather_full
+from del_megatron.parallel import end_distributed
 from del_megatron.training.trainer import setup, train_step
 
 
@@ -53,3 +54,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed()  # as del-train ends: a gloo group alive at exit can abort it

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_path import config as gpu_path_config
 
 from del_megatron.config import parse_run_config
+from del_megatron.parallel import end_distributed
 
 
 def config(tokenizer: str, manifest: str, out: Path, steps: int, schedule: str = "continue"):
@@ -57,3 +58,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed()  # as del-train ends: a gloo group alive at exit can abort it

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from del_megatron.config import parse_run_config
 from del_megatron.models.sharding import gather_full
+from del_megatron.parallel import end_distributed
 from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
 SEQ, MICRO, GLOBAL, VOCAB = 32, 2, 8, 800  # MICRO: unless the variant names one
@@ -152,3 +153,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed()  # as del-train ends: a gloo group alive at exit can abort it

@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from del_megatron.parallel import end_distributed
 from del_megatron.training.trainer import NonFiniteError, next_micro_batches, setup, train_step
 from tests.distributed.workers.train_equivalence import MICRO, config, global_batches
 
@@ -75,3 +76,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed()  # as del-train ends: a gloo group alive at exit can abort it

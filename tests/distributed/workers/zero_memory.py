@@ -130,6 +130,9 @@ def main() -> None:
         result = measure(stage, sizes)
         if dist.get_rank() == 0:
             print(json.dumps(result), flush=True)
+    # before exit: a gloo group alive then can abort the process as the interpreter ends
+    # (its worker threads hold tensors): CI once saw rank 0 end so, in SIGABRT
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
