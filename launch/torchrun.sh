@@ -11,7 +11,8 @@
 # SIGTERM or SIGUSR1 to this script (`docker stop` sends SIGTERM to it as the container's
 # first process), or a Ctrl-C, goes straight to every rank: they agree, save a checkpoint
 # and exit, and this script exits 75 ("stopped, run me again"); a second Ctrl-C ends every
-# rank at once. The ranks are signalled directly because
+# rank at once; one before torchrun started the ranks stops it. The ranks are signalled
+# directly because
 # torchrun dies on SIGUSR1 unless told otherwise, and kills its ranks 30 s after a SIGTERM,
 # which can cut a checkpoint short (DEL_SHUTDOWN_TIMEOUT raises that, default 900 s, where
 # the installed torchrun allows it).
@@ -34,7 +35,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry_run=1; shift ;;
     --resume) resume=${2:?--resume needs a value}; shift 2 ;;
     --resume=*) resume=${1#*=}; shift ;;
-    -h | --help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "torchrun.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -105,7 +106,9 @@ interrupted=0
 # shellcheck disable=SC2329 # called by the traps below
 forward() {
   interrupted=1
-  if [ -z "$launcher_pid" ]; then # before any rank started: nothing to save
+  # $!: a trap can run between the launch and `launcher_pid=$!` (torchrun is started then)
+  local pid=${launcher_pid:-${!:-}}
+  if [ -z "$pid" ]; then # torchrun not started: nothing to save
     echo "torchrun.sh: SIG$1 before the ranks started: nothing trained, stopping" >&2
     exit 75
   fi
@@ -115,7 +118,12 @@ forward() {
     echo "torchrun.sh: SIG$1: every rank saves a checkpoint and stops" >&2
   fi
   stop_signal=$1
-  pkill "-$1" -P "$launcher_pid" || true # the ranks are torchrun's children
+  if ! pkill "-$1" -P "$pid"; then # the ranks are torchrun's children: none yet
+    # torchrun still starting: nothing trained; a TERM stops it and any rank it starts
+    # (else the signal is lost and the ranks it starts next train on)
+    echo "torchrun.sh: no rank started yet: stopping torchrun" >&2
+    kill -TERM "$pid" 2>/dev/null || true
+  fi
 }
 # the traps before the launch: a signal that comes while the ranks start (a Ctrl-C as soon
 # as a rank says it is ready) is passed on, not taken by this script's default action (exit)

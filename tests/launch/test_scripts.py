@@ -4,6 +4,7 @@ and exits 75), and the one exit status they share with del-train."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -275,11 +276,52 @@ if "--rank" in sys.argv:
     while True:
         time.sleep(0.05)
 signal.signal(signal.SIGINT, lambda signum, frame: log("torchrun got SIGINT"))
+if os.environ.get("RANK_AFTER"):  # a torchrun slow to start its rank (a loaded node)
+    log("torchrun up")
+    time.sleep(float(os.environ["RANK_AFTER"]))
 rank = subprocess.Popen([sys.executable, __file__, "--rank"])
 while rank.poll() is None:
     time.sleep(0.05)
 sys.exit(rank.returncode)
 """
+
+
+@contextlib.contextmanager
+def stand_in_run(tmp_path: Path, **env: str):
+    """launch/torchrun.sh on one rank with STAND_IN for the interpreter, as the terminal's
+    foreground job (a process group of its own). Yields (proc, logged, said): logged(line)
+    waits for the stand-ins to log `line` (60 s) and returns every line logged; said() is
+    the script's stderr so far. Whatever is left is killed at the end, the stand-ins in
+    their own session too."""
+    python, log, errors = tmp_path / "python", tmp_path / "signals", tmp_path / "stderr"
+    python.write_text(STAND_IN.format(python=sys.executable))
+    python.chmod(0o755)
+    with errors.open("w") as stderr:
+        proc = subprocess.Popen(
+            ["bash", "launch/torchrun.sh", "--nproc-per-node", "1", "configs/tiny_cpu.yaml"],
+            cwd=ROOT,
+            env={**torchrun_env(), "DEL_PYTHON": str(python), "LOG": str(log), **env},
+            stderr=stderr,
+            start_new_session=True,
+        )
+
+    def said() -> str:
+        return errors.read_text()
+
+    def logged(line: str) -> list[str]:
+        deadline = time.time() + 60
+        while not (log.is_file() and line in log.read_text().splitlines()):
+            lines = log.read_text().splitlines() if log.is_file() else []
+            assert time.time() < deadline and proc.poll() is None, (line, lines, said())
+            time.sleep(0.05)
+        return log.read_text().splitlines()
+
+    try:
+        yield proc, logged, said
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", str(python)], check=False)
+        proc.kill()
+        proc.wait()
 
 
 def test_torchrun_sh_passes_each_ctrl_c_to_the_ranks_once(tmp_path):
@@ -288,33 +330,27 @@ def test_torchrun_sh_passes_each_ctrl_c_to_the_ranks_once(tmp_path):
     ends the ranks. Before: torchrun got it from the terminal too (it turns it into SIGTERMs
     of its own and a traceback), and the script did not pass it on. A stand-in interpreter
     plays del-train and torchrun, so no ranks start."""
-    python, log = tmp_path / "python", tmp_path / "signals"
-    python.write_text(STAND_IN.format(python=sys.executable))
-    python.chmod(0o755)
-    proc = subprocess.Popen(
-        ["bash", "launch/torchrun.sh", "--nproc-per-node", "1", "configs/tiny_cpu.yaml"],
-        cwd=ROOT,
-        env={**torchrun_env(), "DEL_PYTHON": str(python), "LOG": str(log)},
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # the terminal's foreground job: its own process group
-    )
+    with stand_in_run(tmp_path) as (proc, logged, said):
+        logged("ready")
+        os.killpg(proc.pid, signal.SIGINT)
+        logged("rank got SIGINT 1")
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == EXIT_STOPPED, said()  # the last checkpoint kept
+        assert logged("rank got SIGINT 2") == ["ready", "rank got SIGINT 1", "rank got SIGINT 2"]
+    assert "torchrun.sh: SIGINT: every rank saves a checkpoint and stops" in said()
+    assert "torchrun.sh: SIGINT again: every rank exits at once" in said()
 
-    def logged(line: str) -> None:
-        deadline = time.time() + 60
-        while not (log.is_file() and line in log.read_text()):
-            assert time.time() < deadline and proc.poll() is None, proc.stderr
-            time.sleep(0.05)
 
-    logged("ready")
-    os.killpg(proc.pid, signal.SIGINT)
-    logged("rank got SIGINT 1")
-    os.killpg(proc.pid, signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
-    assert log.read_text().splitlines() == ["ready", "rank got SIGINT 1", "rank got SIGINT 2"]
-    assert "torchrun.sh: SIGINT: every rank saves a checkpoint and stops" in stderr
-    assert "torchrun.sh: SIGINT again: every rank exits at once" in stderr
-    assert proc.returncode == EXIT_STOPPED, stderr  # the last checkpoint: the same command
+def test_a_ctrl_c_before_torchrun_starts_its_ranks_stops_the_run(tmp_path):
+    """A Ctrl-C while torchrun is up but has started no rank yet: the script stops torchrun
+    (nothing trained) and exits 75. Before: the script passed it to torchrun's children,
+    there were none, and the rank started next trained on as if no Ctrl-C had come."""
+    with stand_in_run(tmp_path, RANK_AFTER="3") as (proc, logged, said):
+        logged("torchrun up")  # its rank 3 s later
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == EXIT_STOPPED, said()  # lost: the rank runs on
+    assert "torchrun.sh: no rank started yet: stopping torchrun" in said()
+    assert "torchrun.sh: stopped on request; run the same command again" in said()
 
 
 @pytest.mark.slow
