@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 
@@ -53,3 +56,13 @@ def end_process_group() -> None:
     from del_megatron.parallel import end_distributed
 
     end_distributed()
+
+
+def logged_steps(metrics: Path) -> list[int]:
+    """The steps of metrics.jsonl's complete lines, [] before the file exists. A run still
+    writing can have a line half written (CI once read `{"step": 9, ..., "digit_logsumexp":
+    3.9074916094` and failed on the JSON): a line counts once its newline is there."""
+    if not metrics.is_file():
+        return []
+    lines = metrics.read_text().splitlines(keepends=True)
+    return [json.loads(line)["step"] for line in lines if line.endswith("\n")]

@@ -245,11 +245,14 @@ class Reporter:
         last_step, last = flushed[-1]
         self.bar.set_postfix(loss=f"{last['loss']:.3f}", digit_acc=f"{last['digit_acc']:.3f}")
         if self.enabled:
+            # exact floats; the steps in one write, so a reader following the file (tail -f, a
+            # dashboard) finds whole lines, not one cut where the 8 KiB buffer ran full
+            lines = "".join(json.dumps({"step": step, **values}) + "\n" for step, values in flushed)
             try:
-                with open(self.path, "a") as f:  # exact floats
-                    for step, values in flushed:
-                        self.sink.log(values, step)
-                        f.write(json.dumps({"step": step, **values}) + "\n")
+                for step, values in flushed:
+                    self.sink.log(values, step)
+                with open(self.path, "a") as f:
+                    f.write(lines)
             except OSError as err:  # a full disk: one line, not a traceback
                 raise write_error(self.path.parent, err) from None
             if show:

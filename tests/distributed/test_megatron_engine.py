@@ -25,7 +25,7 @@ import pytest
 
 from del_megatron.config import ConfigError, parse_run_config
 
-from ..utils import assert_close
+from ..utils import assert_close, logged_steps
 from .launcher import run_torchrun
 
 KINDS = ["mle", "del", "del_distance", "ntl_was", "ntl_mse", "dist2", "mixce", "emo"]
@@ -205,7 +205,7 @@ def test_a_stop_signal_to_the_last_stage_stops_every_stage(tmp_path, synth_token
     ranks = start_ranks(args, 2)
     metrics_file = out / "metrics.jsonl"
     deadline = time.time() + 300
-    while not (metrics_file.is_file() and len(metrics_file.read_text().splitlines()) >= 3):
+    while len(logged_steps(metrics_file)) < 3:
         assert time.time() < deadline and all(r.poll() is None for r in ranks)
         time.sleep(0.05)
     ranks[1].send_signal(signal.SIGUSR1)
@@ -251,10 +251,7 @@ def test_a_pipeline_run_stopped_then_killed_resumes_bit_for_bit(
 
     def until(ranks, metrics, step):
         deadline = time.time() + 300
-        while not (
-            metrics.is_file()
-            and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines())
-        ):
+        while not any(s >= step for s in logged_steps(metrics)):
             assert time.time() < deadline and all(r.poll() is None for r in ranks)
             time.sleep(0.05)
 

@@ -24,6 +24,7 @@ import pytest
 from del_megatron.cli.train import EXIT_STOPPED
 
 from ..distributed.launcher import ROOT
+from ..utils import logged_steps
 
 # The first test's setup waits for the images (CI builds them in the background while the
 # main job and the rest of the suite share its 2 cores; about 6 min on an idle 2-core machine
@@ -234,7 +235,7 @@ def test_the_pipeline_as_a_user_who_is_not_root(engine, tmp_path):
         settings = json.loads(engine.docker("inspect", container).stdout)[0]
         assert settings["Config"]["StopTimeout"] == 900  # compose's stop_grace_period: 15m
         deadline = time.monotonic() + 900  # a guard against a hang
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        while len(logged_steps(metrics)) < 2:
             running = engine.docker("inspect", "-f", "{{.State.Running}}", container).stdout
             assert running.strip() == "true" and time.monotonic() < deadline, logs()[-3000:]
             time.sleep(0.1)

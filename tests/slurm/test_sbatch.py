@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from ..distributed.launcher import ROOT
-from ..utils import each_once
+from ..utils import each_once, logged_steps
 
 pytestmark = pytest.mark.slow
 
@@ -143,8 +143,7 @@ def metrics(out: Path) -> list[dict]:
 def wait_for_step(job: Job, out: Path, step: int) -> None:
     def reached(info):
         assert info["JobState"] in ("PENDING", "RUNNING"), job.log[-3000:]
-        path = out / "metrics.jsonl"
-        return path.is_file() and len(path.read_text().splitlines()) >= step
+        return len(logged_steps(out / "metrics.jsonl")) >= step
 
     job.wait_until(reached, f"step {step}")
 

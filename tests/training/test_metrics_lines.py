@@ -5,6 +5,8 @@ synchronisation and each its own values."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -64,3 +66,66 @@ def test_steps_with_other_metric_sets_are_read_at_once(monkeypatch):
     assert second == {"ce": 0.5, "loss": 1.0, "numeric_grad_share": 0.25, "lr": 0.1}
     assert metrics.log_step(10, 10, 30) and metrics.log_step(30, 10, 30)
     assert not metrics.log_step(11, 10, 30)
+
+
+def test_a_flush_appends_its_lines_in_one_write(tmp_path, monkeypatch):
+    """A reader following metrics.jsonl while the run writes (tail -f, a dashboard, the tests'
+    waits) must not find a line cut at the file buffer's 8 KiB: the steps one flush writes
+    (here about 40 KiB) reach the file in one write call. Before, each line was written
+    through the buffer, which wrote whatever filled it."""
+    import io
+
+    from del_megatron.config import load_run_config
+    from del_megatron.training.metrics import Reporter
+
+    cfg = load_run_config(
+        Path(__file__).parents[2] / "configs" / "tiny_cpu.yaml",
+        [
+            f"output_dir={tmp_path}",
+            "train.steps=100",
+            "train.log_interval=100",
+            "logging.wandb=disabled",
+        ],
+    )
+    writes: list[bytes] = []
+
+    class Recorded(io.RawIOBase):  # the file under the buffers open() stacks, its writes kept
+        def __init__(self, path):
+            self.file = io.FileIO(path, "a")
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            writes.append(bytes(data))
+            return self.file.write(data)
+
+        def close(self):
+            self.file.close()
+            super().close()
+
+    def recorded_open(path, mode="r", *args, **kwargs):
+        if Path(path).name == "metrics.jsonl" and mode == "a":
+            return io.TextIOWrapper(io.BufferedWriter(Recorded(path)), encoding="utf-8")
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(metrics, "open", recorded_open, raising=False)
+    reporter = Reporter(cfg, start=0, enabled=True)
+    names = ["loss", "ce", "digit_acc", *(f"padding_{i}" for i in range(20))]
+    for step in range(1, 101):
+        reporter.step(step, StepMetrics(names, torch.rand(len(names), 2, dtype=torch.float64), 1.0))
+    reporter.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert len(text) > 4 * 8192 and text.count("\n") == 100
+    assert writes == [text.encode()], [len(w) for w in writes]
+
+
+def test_the_tests_waits_count_only_whole_lines(tmp_path):
+    """The tests' waits on a running job read metrics.jsonl while it grows: a half-written
+    last line is not yet a step (CI failed once parsing one as JSON)."""
+    from ..utils import logged_steps
+
+    path = tmp_path / "metrics.jsonl"
+    assert logged_steps(path) == []
+    path.write_text('{"step": 8, "loss": 1.5}\n{"step": 9, "loss": 1.4, "digit_logsumexp": 3.90')
+    assert logged_steps(path) == [8]

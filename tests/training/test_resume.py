@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from ..distributed.launcher import ROOT, free_port, run_torchrun, torchrun_command, torchrun_env
-from ..utils import each_once
+from ..utils import each_once, logged_steps
 
 pytestmark = pytest.mark.slow
 
@@ -76,10 +76,7 @@ def start_and_wait(cmd, out: Path, *, step: int, extra_env: dict[str, str] | Non
     )
     deadline = time.time() + 300
     while time.time() < deadline:
-        path = out / "metrics.jsonl"
-        if path.is_file() and any(
-            json.loads(line)["step"] >= step for line in path.read_text().splitlines() if line
-        ):
+        if any(s >= step for s in logged_steps(out / "metrics.jsonl")):
             return proc
         if proc.poll() is not None:
             raise AssertionError(proc.stderr.read().decode()[-3000:])
@@ -269,7 +266,7 @@ def test_stop_signal_to_one_rank_stops_every_rank_with_a_checkpoint(
     ranks = start_ranks(args, 2)
     metrics_file = out / "metrics.jsonl"
     deadline = time.time() + 300
-    while not (metrics_file.is_file() and len(metrics_file.read_text().splitlines()) >= 4):
+    while len(logged_steps(metrics_file)) < 4:
         assert time.time() < deadline and all(r.poll() is None for r in ranks)
         time.sleep(0.05)
     ranks[1].send_signal(signal.SIGUSR1)  # rank 1 only: rank 0 must follow the agreement

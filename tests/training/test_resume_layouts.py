@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ..utils import logged_steps
 from .test_resume import start_ranks, train_args
 
 pytestmark = pytest.mark.slow
@@ -48,8 +49,7 @@ def segment(args: list[str], nproc: int, *, stop_after: int | None, out: Path) -
     if stop_after is not None:
         deadline = time.time() + 600
         while True:
-            lines = metrics.read_text().splitlines() if metrics.is_file() else []
-            steps = [json.loads(x)["step"] for x in lines]
+            steps = logged_steps(metrics)
             if steps and max(steps) >= stop_after:
                 break
             assert time.time() < deadline and all(r.poll() is None for r in ranks)
