@@ -231,6 +231,34 @@ def test_restart_cap_stops_requeueing(synth_tokenizer, synth_shards, tmp_path):
     assert len(list((out / "checkpoints").glob("step-*"))) == 1
 
 
+def test_a_preemption_notice_during_the_start_up_check_ends_as_a_stop(
+    synth_tokenizer, synth_shards, tmp_path
+):
+    """A notice that reaches the batch shell before srun has launched a rank (here while the
+    start-up check runs, made to take 5 s) ends the job as a stop (75, requeued up to
+    DEL_MAX_RESTARTS), not by the signal's default action: before, the shell died of SIGUSR1
+    and the job ended without a requeue, for a person to resubmit."""
+    out = tmp_path / "run"
+    slow = tmp_path / "python"
+    slow.write_text(
+        f'#!/bin/sh\ncase " $* " in *" --check "*) sleep 5 ;; esac\nexec {sys.executable} "$@"\n'
+    )
+    slow.chmod(0o755)
+    job, _ = sbatch(
+        tmp_path,
+        overrides(synth_tokenizer, synth_shards, out),
+        DEL_MAX_RESTARTS="0",  # the decision is the point; a requeue is tested above
+        DEL_PYTHON=str(slow),
+    )
+    job.wait_until(lambda info: "checking the run for" in job.log, "the start-up check")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job.id], check=True)
+    info = job.finish()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "75:0", job.log[-3000:]
+    assert "received SIGUSR1 before the ranks started" in job.log
+    assert "not requeued; resubmit" in job.log
+    assert not (out / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
