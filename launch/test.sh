@@ -2,7 +2,8 @@
 # The test command: set up .venv, lint (Python, shell scripts, the Dockerfile), run the whole
 # suite (slow multi-process tests too). Extra arguments go to pytest, e.g.
 # `bash launch/test.sh -m "not slow"`. The SLURM launch tests run when a test cluster answers
-# (bash tests/slurm/cluster.sh start; CI starts one) and are skipped otherwise; the container
+# (bash tests/slurm/cluster.sh start; CI starts one), beside the rest of a whole-suite run,
+# and are skipped otherwise; the container
 # tests likewise when a Docker engine answers (bash tests/docker/engine.sh prepare; CI too). Then the tests
 # marked `megatron` (models, loss hook, Megatron-LM and Megatron-Bridge) run again on the newest
 # megatron-core, in .venv312 (launch/setup_env_newest.sh; skipped, saying so, where there is no
@@ -16,13 +17,31 @@ bash launch/setup_env.sh
 newest_log=$(mktemp)
 setsid bash launch/setup_env_newest.sh >"$newest_log" 2>&1 &
 newest_pid=$!  # its own process group: a failed lint or suite stops it, pip included
-trap 'kill -- -"$newest_pid" 2>/dev/null || true; rm -f "$newest_log"' EXIT
+slurm_log=$(mktemp)
+slurm_pid=""
+trap 'kill -- -"$newest_pid" ${slurm_pid:+-"$slurm_pid"} 2>/dev/null || true; rm -f "$newest_log" "$slurm_log"' EXIT
 .venv/bin/ruff check .
 .venv/bin/shellcheck launch/*.sh launch/experiments/*.sh launch/slurm/train.sbatch docker/entrypoint.sh \
   tests/slurm/cluster.sh .ci/run bench/gpu_acceptance.sh bench/fetch_gpu_wheels.sh \
   docker/pip-install.sh tests/docker/engine.sh
 .venv/bin/hadolint docker/Dockerfile tests/docker/standin.Dockerfile
-.venv/bin/python -m pytest "$@"
+if [ $# = 0 ]; then
+  # The whole suite. The SLURM launch tests mostly wait on the scheduler (2 cores half idle
+  # over 4 minutes): they run beside the rest, and their report follows the rest's.
+  setsid .venv/bin/python -m pytest -p no:cacheprovider tests/slurm >"$slurm_log" 2>&1 &
+  slurm_pid=$!
+  suite=0
+  .venv/bin/python -m pytest --ignore=tests/slurm || suite=$?
+  slurm=0
+  wait "$slurm_pid" || slurm=$?
+  slurm_pid=""
+  echo "== tests/slurm (run beside the rest of the suite): exit status $slurm"
+  cat "$slurm_log"
+  [ "$suite" = 0 ] || exit "$suite"
+  [ "$slurm" = 0 ] || exit "$slurm"
+else
+  .venv/bin/python -m pytest "$@"
+fi
 
 newest=0
 wait "$newest_pid" || newest=$?
