@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -130,9 +131,11 @@ def main() -> None:
         result = measure(stage, sizes)
         if dist.get_rank() == 0:
             print(json.dumps(result), flush=True)
-    # before exit: a gloo group alive then can abort the process as the interpreter ends
-    # (its worker threads hold tensors): CI once saw rank 0 end so, in SIGABRT
+    # before exit, as parallel.end_distributed does (not imported: megatron-core): a gloo
+    # group alive then, or a worker thread of one still freeing a work, can abort the
+    # process as the interpreter ends; CI saw rank 0 end so, in SIGABRT, twice
     dist.destroy_process_group()
+    time.sleep(0.2)  # parallel.GLOO_SETTLE_S
 
 
 if __name__ == "__main__":
