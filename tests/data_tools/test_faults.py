@@ -5,6 +5,7 @@ or is survived, and the previous good build is never lost."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +50,15 @@ def wait_for_shards(parent: Path, name: str, count: int, proc: subprocess.Popen)
         time.sleep(0.01)
 
 
+def start_and_stop_midway(cmd: list[str], parent: Path) -> subprocess.Popen:
+    """A build of `cmd` (into `parent/out`) started, then stopped (SIGSTOP) once it has
+    written 2 shards: it holds the output's lock until SIGCONT."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_shards(parent, "out", 2, proc)
+    proc.send_signal(signal.SIGSTOP)
+    return proc
+
+
 def assert_whole(out: Path, documents: int) -> None:
     """`out` holds one complete build: the manifest lists exactly the shards there, each
     matching its checksum."""
@@ -77,23 +87,34 @@ def test_a_second_build_into_the_same_output_is_refused_or_waits(
     corpus = tmp_path / "corpus" / "train.jsonl"
     cmd = build_cmd(corpus, out, synth_tokenizer)
 
-    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for_shards(tmp_path, "out", 2, first)
-    second = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, stderr = second.communicate(timeout=300)
+    # The first is stopped while the second runs: it holds its lock and its staging
+    # directory, and a loaded machine cannot let it finish before the second starts.
+    first = start_and_stop_midway(cmd, tmp_path)
+    try:
+        second = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _, stderr = second.communicate(timeout=300)
+        assert not list(tmp_path.glob(f".out.partial-*-{second.pid}"))  # it wrote nothing
+    finally:
+        first.send_signal(signal.SIGCONT)
     assert second.returncode == 2, stderr
     one_error_line(stderr, f"host {socket.gethostname()}, pid {first.pid}")
-    assert not list(tmp_path.glob(f".out.partial-*-{second.pid}"))  # it wrote nothing
     assert first.wait(timeout=300) == 0, first.stderr.read()
     assert_whole(out, 15000)
 
     # the same again, the second asked to wait: both complete, one after the other
-    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for_shards(tmp_path, "out", 2, first)
-    waited = subprocess.run([*cmd, "--wait-for-lock"], capture_output=True, text=True, timeout=300)
+    first = start_and_stop_midway(cmd, tmp_path)
+    try:
+        waiting = subprocess.Popen(
+            [*cmd, "--wait-for-lock"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        said = waiting.stderr.readline()  # it says whom it waits for, then waits
+    finally:
+        first.send_signal(signal.SIGCONT)
+    holder = f"host {socket.gethostname()}, pid {first.pid}"
+    assert f"waiting for the process writing it ({holder}" in said, said
     assert first.wait(timeout=300) == 0, first.stderr.read()
-    assert waited.returncode == 0, waited.stderr
-    assert f"pid {first.pid}" in waited.stderr  # it said whom it waited for
+    _, stderr = waiting.communicate(timeout=300)
+    assert waiting.returncode == 0, said + stderr
     assert_whole(out, 15000)
     assert not list(tmp_path.glob(".out.*"))  # no staging, no lock left
 
