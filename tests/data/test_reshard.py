@@ -116,7 +116,7 @@ class Run:
         self.lost = [[next(it) for _ in range(lost)] for it in iterators]
         for it in iterators:
             it.close()
-        # as training/checkpoint.py saves them: the segment once, a record per rank
+        # as checkpoint/save.py saves them: the segment once, a record per rank
         self.states = json.loads(json.dumps(saved_file(states[0], states)))
 
     def trained(self) -> Counter:

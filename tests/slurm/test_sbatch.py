@@ -193,19 +193,38 @@ def test_preemption_signal_to_the_batch_shell(
     assert "received SIGUSR1: forwarding to every rank" in job.log
 
 
-def rank_process(job: Job, rank: int) -> psutil.Process:
-    for proc in psutil.process_iter(["cmdline"]):
+def job_processes(job: Job) -> list[tuple[psutil.Process, dict[str, str], str]]:
+    """(process, environment, command line) of every process of `job`, each looked up afresh.
+    Not psutil.process_iter: it keeps its Process objects between calls, and once the pid
+    counter wraps (pid_max is 32768 here; a full test run starts more processes) a cached
+    one whose pid a new process took reads the new process's /proc but refuses every signal
+    (NoSuchProcess, 'PID has been reused'): a kill skipped the job's batch shell and rank 0."""
+    found = []
+    for pid in psutil.pids():
         try:
+            proc = psutil.Process(pid)
             env = proc.environ()
+            if env.get("SLURM_JOB_ID") == job.id:
+                found.append((proc, env, " ".join(proc.cmdline())))
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
-        if (
-            env.get("SLURM_JOB_ID") == job.id
-            and env.get("SLURM_PROCID") == str(rank)
-            and "del_megatron.cli.train" in " ".join(proc.info["cmdline"] or [])
-        ):
-            return proc
-    raise AssertionError(f"no process of rank {rank} in job {job.id}")
+    return found
+
+
+def rank_process(job: Job, rank: int) -> psutil.Process:
+    """Rank `rank`'s del-train process itself. Its data loader's workers are forks of it (the
+    same command line and environment); once pids wrap one can have the lower pid, and the
+    signal went to it (the job ran to the end, nothing stopped): the one whose parent is not
+    one of them."""
+    ranks = [
+        proc
+        for proc, env, cmdline in job_processes(job)
+        if env.get("SLURM_PROCID") == str(rank) and "del_megatron.cli.train" in cmdline
+    ]
+    pids = {proc.pid for proc in ranks}
+    itself = [proc for proc in ranks if proc.ppid() not in pids]
+    assert len(itself) == 1, f"rank {rank} of job {job.id}: {[p.pid for p in ranks]}"
+    return itself[0]
 
 
 def test_preemption_signal_to_one_node_only(synth_tokenizer, synth_shards, tmp_path, uninterrupted):
@@ -358,12 +377,12 @@ def kill_every_process_of(job: Job) -> list[int]:
     """SIGKILL to every process of the job at once, as when its node dies: no handler runs,
     no cleanup (the output lock, a .tmp- checkpoint stay). slurmstepd is SLURM's own."""
     killed = []
-    for proc in psutil.process_iter(["name"]):
+    for proc, _, _ in job_processes(job):
         try:
-            if proc.environ().get("SLURM_JOB_ID") == job.id and proc.info["name"] != "slurmstepd":
+            if proc.name() != "slurmstepd":
                 proc.send_signal(signal.SIGKILL)
                 killed.append(proc.pid)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     return killed
 
