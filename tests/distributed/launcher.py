@@ -57,8 +57,13 @@ def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600) -> s
     )
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        errors = "\n".join(line for line in output.splitlines() if "rror" in line)[-3000:]
-        raise AssertionError(
-            f"{worker} on {nproc} ranks exited {proc.returncode}:\n{errors}\n...\n{output[-4000:]}"
-        )
+        raise AssertionError(failed_launch(f"{worker} on {nproc} ranks", proc.returncode, output))
     return output
+
+
+def failed_launch(what: str, returncode: int, output: str) -> str:
+    """A failed launch's report: every rank's error lines (the rank that failed first says
+    its own early; the tail is the launcher's report and the peers that lost it), then the
+    tail."""
+    errors = "\n".join(line for line in output.splitlines() if "rror" in line)[-3000:]
+    return f"{what} exited {returncode}:\n{errors}\n...\n{output[-4000:]}"

@@ -382,7 +382,7 @@ def kill_every_process_of(job: Job) -> list[int]:
             if proc.name() != "slurmstepd":
                 proc.send_signal(signal.SIGKILL)
                 killed.append(proc.pid)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     return killed
 

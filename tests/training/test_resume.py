@@ -14,7 +14,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ..distributed.launcher import ROOT, free_port, run_torchrun, torchrun_command, torchrun_env
+from ..distributed.launcher import (
+    ROOT,
+    failed_launch,
+    free_port,
+    run_torchrun,
+    torchrun_command,
+    torchrun_env,
+)
 from ..utils import each_once, logged_steps
 
 pytestmark = pytest.mark.slow
@@ -54,15 +61,9 @@ def run(cmd) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         cmd, env=env(), capture_output=True, text=True, cwd=ROOT, timeout=600, check=False
     )
-    assert proc.returncode == 0, failure(proc.stdout, proc.stderr)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, failed_launch("del-train", proc.returncode, output)
     return proc
-
-
-def failure(stdout: str, stderr: str) -> str:
-    """What a failed launch said: a rank's own error comes first, the launcher's report of
-    its peers' ends last, so both ends of stderr."""
-    head = stderr if len(stderr) <= 6000 else f"{stderr[:3000]}\n[...]\n{stderr[-3000:]}"
-    return f"stdout: ...{stdout[-1500:]}\nstderr: {head}"
 
 
 def losses(out: Path) -> dict[int, float]:
