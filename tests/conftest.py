@@ -34,6 +34,28 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if item.get_closest_marker("megatron") is not None]
 
 
+SLOWEST_FILES = 15
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After the slowest tests (--durations), the slowest files: the sum of their tests'
+    setup, call and teardown, so that a file that grew shows at the end of every run
+    (bench/suite_profile.py measures a whole run: wall, CPU, interpreter starts)."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown"):
+                where = report.nodeid.split("::")[0]
+                per_file[where] = per_file.get(where, 0.0) + report.duration
+    if len(per_file) < 2:
+        return
+    slowest = sorted(per_file.items(), key=lambda item: -item[1])[:SLOWEST_FILES]
+    terminalreporter.write_sep("=", f"slowest {len(slowest)} files")
+    for where, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f}s {where}")
+    terminalreporter.write_line(f"{sum(per_file.values()):8.1f}s in all {len(per_file)} files")
+
+
 WORDS = (
     "the of and a to in is you that it he was for on are as with his they at be this have from "
     "or one had by word but not what all were we when your can said there use an each which she "

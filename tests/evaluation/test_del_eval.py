@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from del_megatron.cli.convert import main as convert
 
-from ..distributed.launcher import ROOT, run_torchrun
+from ..distributed.launcher import ROOT, run_python, run_torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +43,7 @@ def del_eval(*argv) -> subprocess.CompletedProcess:
         "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    proc = subprocess.run(
-        [sys.executable, "-m", "del_megatron.cli.eval", *map(str, argv)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-        check=False,
-    )
+    proc = run_python("-m del_megatron.cli.eval", *map(str, argv), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -18,6 +18,7 @@ from ..distributed.launcher import (
     ROOT,
     failed_launch,
     free_port,
+    run_command,
     run_torchrun,
     torchrun_command,
     torchrun_env,
@@ -58,9 +59,8 @@ def env():
 
 
 def run(cmd) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        cmd, env=env(), capture_output=True, text=True, cwd=ROOT, timeout=600, check=False
-    )
+    """A run to its end (on warm ranks: the subject is the run, not its processes)."""
+    proc = run_command(cmd, env=env())
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, failed_launch("del-train", proc.returncode, output)
     return proc
