@@ -238,4 +238,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from del_megatron.parallel import end_distributed
+
+    try:
+        main()
+    finally:
+        # a gloo group alive as the interpreter ends can abort the process (docs/log.md,
+        # 2026-12-05): the warm test launcher found this benchmark leaving its groups
+        end_distributed()

@@ -81,8 +81,8 @@ def preload() -> dict[str, tuple[str | None, str]]:
     for name in PRELOAD:
         try:
             importlib.import_module(name)
-        except ImportError:  # an environment without it (e.g. .venv312 lacks nothing, yet)
-            continue
+        except Exception:  # not in this environment (DeepSpeed in .venv312), or fails to import:
+            continue  # a rank that imports it meets the same error as a fresh interpreter
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:  # fork copies only the calling thread: locks held by others stay held
         raise RuntimeError(f"the fork server has {threads} threads after its imports; it must "

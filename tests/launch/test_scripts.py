@@ -286,6 +286,11 @@ sys.exit(rank.returncode)
 """
 
 
+def as_a_terminal_starts_a_job() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @contextlib.contextmanager
 def stand_in_run(tmp_path: Path, **env: str):
     """launch/torchrun.sh on one rank with STAND_IN for the interpreter, as the terminal's
@@ -296,6 +301,9 @@ def stand_in_run(tmp_path: Path, **env: str):
     python, log, errors = tmp_path / "python", tmp_path / "signals", tmp_path / "stderr"
     python.write_text(STAND_IN.format(python=sys.executable))
     python.chmod(0o755)
+    # as a terminal's shell starts a job: SIGINT neither ignored nor blocked (both are
+    # inherited through exec, and a shell started with SIGINT ignored cannot trap it)
+    inherited = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
     with errors.open("w") as stderr:
         proc = subprocess.Popen(
             ["bash", "launch/torchrun.sh", "--nproc-per-node", "1", "configs/tiny_cpu.yaml"],
@@ -303,6 +311,7 @@ def stand_in_run(tmp_path: Path, **env: str):
             env={**torchrun_env(), "DEL_PYTHON": str(python), "LOG": str(log), **env},
             stderr=stderr,
             start_new_session=True,
+            preexec_fn=as_a_terminal_starts_a_job,
         )
 
     def said() -> str:
@@ -312,7 +321,7 @@ def stand_in_run(tmp_path: Path, **env: str):
         deadline = time.time() + 60
         while not (log.is_file() and line in log.read_text().splitlines()):
             lines = log.read_text().splitlines() if log.is_file() else []
-            assert time.time() < deadline and proc.poll() is None, (line, lines, said())
+            assert time.time() < deadline and proc.poll() is None, (line, lines, said(), inherited)
             time.sleep(0.05)
         return log.read_text().splitlines()
 
