@@ -34,9 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARGS = ["--ignore=tests/slurm"]
 COUNTER = "del_suite_profile_starts.pth"
 # one line: .pth lines that start with `import` are executed at every interpreter start
+# one line: .pth lines that start with `import` are executed at every interpreter start; the
+# test that started it is in PYTEST_CURRENT_TEST (pytest sets it, subprocesses inherit it)
 COUNTER_LINE = (
     "import os; p = os.environ.get('DEL_SUITE_STARTS'); "
-    "p and open(p, 'a').write(str(os.getpid()) + chr(10))\n"
+    "p and open(p, 'a').write(os.environ.get('PYTEST_CURRENT_TEST', '-').split('::')[0] "
+    "+ chr(10))\n"
 )
 
 
@@ -88,14 +91,18 @@ def profile(pytest_args: list[str]) -> dict:
             wall, cpu = time.monotonic() - wall0, busy_cpu_seconds() - cpu0
         finally:
             counter.unlink(missing_ok=True)
-        started = len(starts.read_text().splitlines()) if starts.exists() else 0
+        started = starts.read_text().splitlines() if starts.exists() else []
+        by_file: dict[str, int] = defaultdict(int)
+        for where in started[1:]:  # the first is pytest's own
+            by_file[where] += 1
         return {
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "pytest_args": pytest_args,
             "exit_status": status,
             "wall_s": round(wall, 1),
             "cpu_s": round(cpu, 1),
-            "interpreter_starts": started - 1,  # less pytest's own
+            "interpreter_starts": len(started) - 1,  # less pytest's own
+            "interpreter_starts_by_file": dict(sorted(by_file.items(), key=lambda i: -i[1])),
             "cores": os.cpu_count(),
             "tests": counts(junit),
             "files": {k: round(v, 1) for k, v in sorted(per_file(junit).items())},
@@ -117,9 +124,12 @@ def show(runs: list[tuple[str, dict]], top: int) -> None:
     files = sorted(
         {f for _, r in runs for f in r["files"]}, key=lambda f: -runs[0][1]["files"].get(f, 0)
     )
-    print(f"\nper-file durations (s), the {top} slowest of the first run:")
+    print(f"\nper-file durations (s) and interpreter starts, the {top} slowest of the first run:")
     for f in files[:top]:
-        print(f"{f:60}" + "".join(f"{r['files'].get(f, 0):>10.1f}" for _, r in runs))
+        print(f"{f:60}" + "".join(
+            f"{r['files'].get(f, 0):>10.1f}{r.get('interpreter_starts_by_file', {}).get(f, 0):>6}"
+            for _, r in runs
+        ))
 
 
 def main(argv: list[str] | None = None) -> int:

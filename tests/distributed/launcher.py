@@ -158,6 +158,29 @@ class WarmRank:
                 self.conn.close()
         return self.returncode
 
+    # Popen's interface, for tests that follow a rank (tests/training/test_resume.start_ranks)
+
+    def send_signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.signal_group(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"warm rank {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        """(stdout then stderr, None): as Popen(stdout=PIPE, stderr=STDOUT, text=True)."""
+        self.wait(timeout)
+        said = self.stdout.read_text(errors="replace") + self.stderr.read_text(errors="replace")
+        return said, None
+
     def signal_group(self, sig: int) -> None:
         """The rank and what it started (a data loader's workers): its session's group."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -246,6 +269,32 @@ def run_warm(worker: str, nproc: int, args: list[str], env: dict, timeout: float
         stderr += f"\nwarm launch: rank {failed} failed first (exit status {status})\n"
     cmd = torchrun_command(worker, nproc, *args)
     return subprocess.CompletedProcess(cmd, 0 if status == 0 else 1, stdout, stderr)
+
+
+def start_ranks(target: str, args: list[str], nproc: int, env: dict) -> list[WarmRank]:
+    """`nproc` warm ranks started as srun starts them (one process per rank, RANK, WORLD_SIZE,
+    LOCAL_RANK and the rendezvous from the environment, no launcher), each followed alone:
+    Popen's poll, send_signal, wait and communicate. For a test whose subject is the run
+    (what a resume at another layout trains), not the process; the caller kills what is left."""
+    port = free_port()
+    server = server_for(env)
+    if server is None or os.environ.get("DEL_COLD_RANKS") == "1":
+        return [cold_rank(target, args, {**env, **srun_environment(rank, nproc, port)})
+                for rank in range(nproc)]
+    scratch = Path(tempfile.mkdtemp(prefix="del-warm-ranks-"))
+    return [server.start(target, args, {**env, **srun_environment(rank, nproc, port)},
+                         scratch / f"rank{rank}") for rank in range(nproc)]
+
+
+def srun_environment(rank: int, nproc: int, port: int) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def cold_rank(target: str, args: list[str], env: dict) -> subprocess.Popen:
+    argv = [*target.split(" ", 1), *args] if target.startswith("-m ") else [target, *args]
+    return subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
 
 
 def run_python(

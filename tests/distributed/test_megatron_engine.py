@@ -255,8 +255,10 @@ def test_a_pipeline_run_stopped_then_killed_resumes_bit_for_bit(
             assert time.time() < deadline and all(r.poll() is None for r in ranks)
             time.sleep(0.05)
 
+    # the uninterrupted twin and the last resume on warm ranks (runs to their end); the
+    # stopped and the killed runs in fresh processes (their subject is the process)
     straight, out = tmp_path / "straight", tmp_path / "interrupted"
-    ranks = start_ranks(args(straight), 2)
+    ranks = start_ranks(args(straight), 2, warm=True)
     said = [r.communicate(timeout=600)[0] for r in ranks]
     assert [r.returncode for r in ranks] == [0, 0], said[0][-3000:]
 
@@ -279,7 +281,7 @@ def test_a_pipeline_run_stopped_then_killed_resumes_bit_for_bit(
     newest = sorted((out / "checkpoints").glob("step-*"))[-1]
     assert (newest / "files.json").is_file() and newest.name != "step-0000016"
 
-    ranks = start_ranks([*args(out), "--resume", "same"], 2)
+    ranks = start_ranks([*args(out), "--resume", "same"], 2, warm=True)
     said = [r.communicate(timeout=600)[0] for r in ranks]
     assert [r.returncode for r in ranks] == [0, 0], said[0][-3000:]
     resumed_at = int(newest.name.split("-")[1])

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from ..distributed import launcher
 from ..distributed.launcher import (
     ROOT,
     failed_launch,
@@ -237,31 +237,19 @@ def test_kills_during_checkpoint_writes_never_lose_the_last_good_one(
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
-def start_ranks(args: list[str], nproc: int) -> list[subprocess.Popen]:
+def start_ranks(args: list[str], nproc: int, *, warm: bool = False) -> list:
     """del-train on `nproc` ranks without a launcher, as srun starts them (one process per
-    rank, the rendezvous from the environment), so each rank's own exit status is seen."""
+    rank, the rendezvous from the environment), so each rank's own exit status is seen.
+    warm: forks of the warm test server (launcher.start_ranks), for a test whose subject is
+    what the run trains rather than its processes; else fresh interpreters."""
+    if warm:
+        return launcher.start_ranks("-m del_megatron.cli.train", args, nproc, env())
     port = free_port()
-    ranks = []
-    for rank in range(nproc):
-        rank_env = {
-            **env(),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        ranks.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "del_megatron.cli.train", *args],
-                env=rank_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=ROOT,
-            )
-        )
-    return ranks
+    return [
+        launcher.cold_rank("-m del_megatron.cli.train", args,
+                           {**env(), **launcher.srun_environment(rank, nproc, port)})
+        for rank in range(nproc)
+    ]
 
 
 def test_stop_signal_to_one_rank_stops_every_rank_with_a_checkpoint(
