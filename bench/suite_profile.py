@@ -1,11 +1,13 @@
 """Where the test suite's time goes: wall time, CPU time, interpreter starts, per-file durations.
 
-Runs pytest (the arguments after `--`, default: the whole suite but the SLURM tests, which
-launch/test.sh runs beside it) and prints, side by side in one table when given a second
-result file, the figures docs/benchmarks.md keeps:
+Runs pytest (the arguments after `--`; default: what launch/test.sh runs for the whole
+suite, the SLURM tests aside, which it runs beside) and prints the figures docs/benchmarks.md
+keeps, side by side for saved runs:
 
-    .venv/bin/python bench/suite_profile.py --out runs/suite-after.json
-    .venv/bin/python bench/suite_profile.py --compare runs/suite-before.json runs/suite-after.json
+    DEL_COLD_RANKS=1 .venv/bin/python bench/suite_profile.py --out runs/cold.json -- \
+        --ignore=tests/slurm
+    .venv/bin/python bench/suite_profile.py --out runs/warm.json
+    .venv/bin/python bench/suite_profile.py --compare runs/cold.json runs/warm.json
 
 * wall: the pytest run's elapsed time;
 * CPU: the machine's busy CPU seconds over the run (/proc/stat, every process: a test's
@@ -31,7 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_ARGS = ["--ignore=tests/slurm"]
+DEFAULT_ARGS = ["--ignore=tests/slurm", "-n", "2", "--dist", "loadfile"]
 COUNTER = "del_suite_profile_starts.pth"
 # one line: .pth lines that start with `import` are executed at every interpreter start
 # one line: .pth lines that start with `import` are executed at every interpreter start; the
@@ -117,10 +119,10 @@ def show(runs: list[tuple[str, dict]], top: int) -> None:
         print(f"{key:44}" + "".join(f"{r[key]:>{width}}" for _, r in runs))
     for key in ("passed", "skipped", "failures", "errors"):
         print(f"{'tests ' + key:44}" + "".join(f"{r['tests'][key]:>{width}}" for _, r in runs))
-    if len(runs) == 2:
-        (_, a), (_, b) = runs
-        print(f"{'ratio wall (second / first)':44}{b['wall_s'] / a['wall_s']:>{width}.3f}")
-        print(f"{'ratio CPU (second / first)':44}{b['cpu_s'] / a['cpu_s']:>{width}.3f}")
+    first = runs[0][1]
+    for key in ("wall_s", "cpu_s"):
+        label = f"ratio {key[:-2]} (to the first)"
+        print(f"{label:44}" + "".join(f"{r[key] / first[key]:>{width}.3f}" for _, r in runs))
     files = sorted(
         {f for _, r in runs for f in r["files"]}, key=lambda f: -runs[0][1]["files"].get(f, 0)
     )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: set up .venv, lint (Python, shell scripts, the Dockerfile), run the whole
-# suite (slow multi-process tests too). Extra arguments go to pytest, e.g.
+# suite (slow multi-process tests too; on DEL_TEST_WORKERS=2 pytest workers). Extra arguments go to pytest, e.g.
 # `bash launch/test.sh -m "not slow"`. The SLURM launch tests run when a test cluster answers
 # (bash tests/slurm/cluster.sh start; CI starts one), beside the rest of a whole-suite run,
 # and are skipped otherwise; the container
@@ -30,8 +30,13 @@ if [ $# = 0 ]; then
   # over 4 minutes): they run beside the rest, and their report follows the rest's.
   setsid .venv/bin/python -m pytest -p no:cacheprovider tests/slurm >"$slurm_log" 2>&1 &
   slurm_pid=$!
+  # Two workers (pytest-xdist), each test file on one of them (its module fixtures once): a
+  # test's ranks are forks of a warm server (tests/distributed/launcher.py), so most of the
+  # time left is the tests' own work, one core's worth for much of the suite
+  # (docs/benchmarks.md, "Test suite").
   suite=0
-  .venv/bin/python -m pytest --ignore=tests/slurm || suite=$?
+  .venv/bin/python -m pytest --ignore=tests/slurm -n "${DEL_TEST_WORKERS:-2}" --dist loadfile \
+    || suite=$?
   slurm=0
   wait "$slurm_pid" || slurm=$?
   slurm_pid=""

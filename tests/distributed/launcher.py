@@ -277,8 +277,8 @@ def start_ranks(target: str, args: list[str], nproc: int, env: dict) -> list[War
     Popen's poll, send_signal, wait and communicate. For a test whose subject is the run
     (what a resume at another layout trains), not the process; the caller kills what is left."""
     port = free_port()
-    server = server_for(env)
-    if server is None or os.environ.get("DEL_COLD_RANKS") == "1":
+    server = None if os.environ.get("DEL_COLD_RANKS") == "1" else server_for(env)
+    if server is None:
         return [cold_rank(target, args, {**env, **srun_environment(rank, nproc, port)})
                 for rank in range(nproc)]
     scratch = Path(tempfile.mkdtemp(prefix="del-warm-ranks-"))
