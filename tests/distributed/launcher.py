@@ -12,9 +12,11 @@ start real processes with `torchrun_command`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -203,6 +205,7 @@ class ForkServer:
                 stderr=log,
                 text=True,
             )
+        atexit.register(self.close)
         said = []  # what its imports print (DeepSpeed's accelerator notice), then "ready"
         while not said or said[-1] not in ("ready", ""):
             said.append(self.proc.stdout.readline().strip())
@@ -210,6 +213,14 @@ class ForkServer:
             raise RuntimeError(
                 f"the fork server did not start: {said} {self.log.read_text()[-3000:]}"
             )
+
+    def close(self) -> None:
+        """End the server (its standard input closed: it kills what it still runs) and remove
+        its folder, the ranks' output kept there included."""
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def start(self, target: str, args: list[str], env: dict, out: Path, cwd: Path = ROOT):
         stdout, stderr = out.with_suffix(".out"), out.with_suffix(".err")
@@ -281,7 +292,7 @@ def start_ranks(target: str, args: list[str], nproc: int, env: dict) -> list[War
     if server is None:
         return [cold_rank(target, args, {**env, **srun_environment(rank, nproc, port)})
                 for rank in range(nproc)]
-    scratch = Path(tempfile.mkdtemp(prefix="del-warm-ranks-"))
+    scratch = Path(tempfile.mkdtemp(prefix="ranks-", dir=server.folder))  # removed with it
     return [server.start(target, args, {**env, **srun_environment(rank, nproc, port)},
                          scratch / f"rank{rank}") for rank in range(nproc)]
 
