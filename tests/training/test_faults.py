@@ -421,7 +421,11 @@ def test_ctrl_c_stops_like_sigterm_and_the_same_command_continues(
     stopped = json.loads((saved / "meta.json").read_text())["step"]
     assert f"stop requested: checkpoint of step {stopped} saved" in stdout, (stdout[-2000:], err)
 
-    build = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    # a copy of the built extension of our own: a lock left in the shared cache would be any
+    # other process's to take over too (another test worker's rank loading the same op)
+    shared = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    build = tmp_path / "torch_extensions" / shared.name
+    shutil.copytree(shared, build, ignore=shutil.ignore_patterns("lock"))
     lock = build / "lock"
     killed = subprocess.Popen(
         [sys.executable, "-c", KILLED_BUILD, str(lock)],
