@@ -26,6 +26,8 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.distributed import fork_server
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
@@ -114,17 +116,13 @@ def rank_environment(env: dict, rank: int, nproc: int, port: int, run_id: str) -
     local_elastic_agent.py), one node, no agent store: rank 0 serves the rendezvous."""
     return {
         **env,
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
+        **srun_environment(rank, nproc, port),
         "GROUP_RANK": "0",
         "ROLE_RANK": str(rank),
         "ROLE_NAME": "default",
         "LOCAL_WORLD_SIZE": str(nproc),
-        "WORLD_SIZE": str(nproc),
         "GROUP_WORLD_SIZE": "1",
         "ROLE_WORLD_SIZE": str(nproc),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_RUN_ID": run_id,
@@ -193,7 +191,7 @@ class ForkServer:
     def __init__(self, env: dict):
         self.folder = Path(tempfile.mkdtemp(prefix="del-fork-server-"))
         self.socket = self.folder / "server.sock"
-        self.imported_with = fork_server_module().import_time_environment(env)
+        self.imported_with = fork_server.import_time_environment(env)
         self.log = self.folder / "server.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
@@ -232,12 +230,6 @@ class ForkServer:
         return WarmRank(conn, stdout, stderr)
 
 
-def fork_server_module():
-    from tests.distributed import fork_server
-
-    return fork_server
-
-
 _SERVER: ForkServer | None = None
 
 
@@ -247,7 +239,7 @@ def server_for(env: dict) -> ForkServer | None:
     global _SERVER
     if _SERVER is None or _SERVER.proc.poll() is not None:
         _SERVER = ForkServer(env)
-    if fork_server_module().import_time_environment(env) != _SERVER.imported_with:
+    if fork_server.import_time_environment(env) != _SERVER.imported_with:
         return None
     return _SERVER
 
@@ -302,10 +294,14 @@ def srun_environment(rank: int, nproc: int, port: int) -> dict[str, str]:
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
+def python_argv(target: str, args: list[str]) -> list[str]:
+    """`python`'s arguments for a script's path or "-m module", then the worker's."""
+    return [*target.split(" ", 1), *args] if target.startswith("-m ") else [target, *args]
+
+
 def cold_rank(target: str, args: list[str], env: dict) -> subprocess.Popen:
-    argv = [*target.split(" ", 1), *args] if target.startswith("-m ") else [target, *args]
-    return subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    return subprocess.Popen([sys.executable, *python_argv(target, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
 
 
 def run_python(
@@ -317,7 +313,7 @@ def run_python(
     cold under DEL_COLD_RANKS=1 or when `env` changes what the server imported with."""
     env = dict(os.environ if env is None else env)
     env.setdefault("PYTHONPATH", str(ROOT))
-    argv = [*target.split(" ", 1), *args] if target.startswith("-m ") else [target, *args]
+    argv = python_argv(target, list(args))
     server = None if os.environ.get("DEL_COLD_RANKS") == "1" else server_for(env)
     if server is None:
         return subprocess.run([sys.executable, *argv], env=env, cwd=cwd, capture_output=True,
