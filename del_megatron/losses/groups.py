@@ -21,12 +21,11 @@ A single-digit vocabulary forced through here gives the single-digit numbers bit
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .config import NumericLossConfig
 from .places import number_runs, place_weights
+from .targets import SlotSets, Targets
 from .vocab import NOT_A_CLASS, POINT_CLASS, DigitVocab
 
 
@@ -71,13 +70,11 @@ def grouped_targets(
     cfg: NumericLossConfig,
     vocab_size: int,
     dtype: torch.dtype,
-):
+) -> Targets:
     """`Targets` with m rows per token, row r slot r % m of token r // m: valid, safe [..., s]
     (as `prepare_targets` makes them). numeric [N * m]: whether the slot is a digit of a
     number token (j < its digit count); classes [N * m] the slot's digit, weights [N * m]
     u(place), both 0 elsewhere; slots: each slot's sets (`SlotSets`)."""
-    from .assemble import Targets  # assemble dispatches here: imported late
-
     if cfg.include_decimal_point:
         vocab.class_members(11, safe.device)  # refuses it, in one line
     count_table, digit_table = vocab.number_table(vocab_size, safe.device)
@@ -102,16 +99,6 @@ def grouped_targets(
         weights=torch.where(is_slot, weights, 0).flatten().to(dtype),
         slots=SlotSets(offset.flatten(0, -2), *vocab.slot_sets(safe.device)),
     )
-
-
-class SlotSets(NamedTuple):
-    """Which set logits each digit slot needs: offset [N, m] (its first set among the S), and
-    the sets' members as positions among the number tokens, members [S, W] long with valid
-    [S, W] bool (`DigitVocab.slot_sets`)."""
-
-    offset: torch.Tensor
-    members: torch.Tensor
-    valid: torch.Tensor
 
 
 class _SetLogSumExp(torch.autograd.Function):
