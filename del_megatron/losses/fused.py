@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,10 +35,13 @@ import torch.distributed as dist
 from .. import collectives
 from .assemble import NumericLossOutput, compute_dtype
 from .config import NumericLossConfig
-from .groups import SlotSets, slot_class_logits
+from .groups import slot_class_logits
 from .kinds import Objective, numeric_term
+from .saved import load, save
+from .targets import SlotSets
 from .vocab import DigitVocab
 from .vocab_parallel import (
+    LogitGradientParts,
     Prepared,
     finish_vocab_parallel,
     local_ids,
@@ -196,6 +200,16 @@ def accumulate_weight_grad_(
         accumulator.addmm_(grad.T, hidden.to(accumulator.dtype))
 
 
+class _FusedSaved(NamedTuple):
+    """What `_FusedParts` keeps for backward: its inputs, to make a chunk's logits again
+    (`_recomputed`), and the row statistics to form their gradient from."""
+
+    hidden: torch.Tensor  # [N, h] the output layer's input
+    weight: torch.Tensor  # [V/tp, h] this rank's rows of the output weight
+    row_max: torch.Tensor  # [N] compute dtype, every rank's row maximum
+    parts: LogitGradientParts
+
+
 class _FusedParts(torch.autograd.Function):
     """hidden [N, h], weight shard [V/tp, h] -> ce [N], class logits [N, K], target_is_max
     [N], emo [N]; the same outputs as _VocabParallelParts on hidden @ weight^T."""
@@ -313,19 +327,17 @@ class _FusedParts(torch.autograd.Function):
         target_embedding = packed[:, base + h_emb :] if local_cost is not None else None
         ctx.emo_cost = local_cost
         ctx.mark_non_differentiable(target_is_max)
-        ctx.save_for_backward(
-            hidden,
-            weight,
-            row_max,
-            sum_exp,
-            local_target,
-            owns_target,
-            member_share,
-            local_member,
-            owns_member,
-            emo,
-            target_embedding,
+        parts = LogitGradientParts(
+            sum_exp=sum_exp,
+            local_target=local_target,
+            owns_target=owns_target,
+            member_share=member_share,
+            local_member=local_member,
+            owns_member=owns_member,
+            emo=emo,
+            target_embedding=target_embedding,
         )
+        save(ctx, _FusedSaved(hidden=hidden, weight=weight, row_max=row_max, parts=parts))
         ctx.owned, ctx.chunk = owned, chunk
         ctx.formed = (predicted, grad_hidden, weight_grad, promised) if plan is not None else None
         ctx.consumed = False
@@ -340,7 +352,8 @@ class _FusedParts(torch.autograd.Function):
             )
         ctx.consumed = True
         formed, ctx.formed = ctx.formed, None  # released as soon as they are handed over
-        hidden, weight = ctx.saved_tensors[:2]
+        saved = load(ctx, _FusedSaved)
+        hidden, weight = saved.hidden, saved.weight
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         if formed is not None:
             predicted, grad_hidden, weight_grad, promised = formed
@@ -361,7 +374,7 @@ class _FusedParts(torch.autograd.Function):
         else:
             accumulator = None
         grad_hidden, weight_grad = _recomputed(
-            ctx, grad_ce, grad_class, grad_emo, want_hidden, want_weight, accumulator
+            ctx, saved, grad_ce, grad_class, grad_emo, want_hidden, want_weight, accumulator
         )
         return _handover(hidden, weight, grad_hidden, weight_grad, 1.0)
 
@@ -373,23 +386,13 @@ def _rows(weights: TokenWeights, c: slice) -> TokenWeights:
     return TokenWeights(weights.valid[c], weights.classes[c], weights.weight[c], slots)
 
 
-def _recomputed(ctx, grad_ce, grad_class, grad_emo, want_hidden, want_weight, accumulator):
+def _recomputed(
+    ctx, saved: _FusedSaved, grad_ce, grad_class, grad_emo, want_hidden, want_weight, accumulator
+):
     """The gradients of hidden [N, h] and of the weight shard [V/tp, h] (compute dtype) for
     any incoming gradient: each chunk's logits made again, its gradient formed from the
     saved statistics as the unfused op forms it. A fourth product."""
-    (
-        hidden,
-        weight,
-        global_max,
-        sum_exp,
-        local_target,
-        owns_target,
-        member_share,
-        local_member,
-        owns_member,
-        emo,
-        target_embedding,
-    ) = ctx.saved_tensors
+    hidden, weight, parts = saved.hidden, saved.weight, saved.parts
     owned, chunk = ctx.owned, ctx.chunk
     dtype = compute_dtype(hidden.dtype)
     rows = hidden.shape[0]
@@ -407,18 +410,19 @@ def _recomputed(ctx, grad_ce, grad_class, grad_emo, want_hidden, want_weight, ac
     if not owned:
         return grad_hidden, weight_grad
     w = weight[:owned]
-    member_grad = (grad_class.unsqueeze(-1) * member_share).reshape(rows, -1) * owns_member
+    member_grad = (grad_class.unsqueeze(-1) * parts.member_share).reshape(rows, -1)
+    member_grad = member_grad * parts.owns_member
     for start in range(0, rows, chunk):
         c = slice(start, min(start + chunk, rows))
         h = hidden[c]
         z = (h @ w.T).to(dtype)
         emo_parts = None
-        if target_embedding is not None:
-            emo_parts = (ctx.emo_cost, target_embedding[c], emo[c], grad_emo[c])
-        exp = z.sub_(global_max[c].unsqueeze(1)).exp_()  # in z's own buffer
+        if parts.target_embedding is not None:
+            emo_parts = (ctx.emo_cost, parts.target_embedding[c], parts.emo[c], grad_emo[c])
+        exp = z.sub_(saved.row_max[c].unsqueeze(1)).exp_()  # in z's own buffer
         grad = logit_gradient_(
-            exp, sum_exp[c], grad_ce[c], local_target[c], owns_target[c], member_grad[c],
-            local_member, emo_parts,
+            exp, parts.sum_exp[c], grad_ce[c], parts.local_target[c], parts.owns_target[c],
+            member_grad[c], parts.local_member, emo_parts,
         )  # fmt: skip
         grad_low = grad.to(hidden.dtype)
         if grad_hidden is not None:

@@ -8,6 +8,8 @@ ordinary autograd.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .assemble import (
@@ -19,8 +21,18 @@ from .assemble import (
 )
 from .config import NumericLossConfig
 from .groups import target_is_max_of_rows
+from .saved import load, save
 from .vocab import DigitVocab
 from .vocab_parallel import class_log_sum_exp
+
+
+class _CrossEntropySaved(NamedTuple):
+    """What `_CrossEntropyAndClassLogits` keeps for backward."""
+
+    log_probs: torch.Tensor  # [N, V] compute dtype, the one [N, V] buffer
+    target: torch.Tensor  # [N] long
+    member_ids: torch.Tensor  # [K, M] long, each class's member ids
+    member_share: torch.Tensor  # [N, K, M] d class_logit / d member logit
 
 
 class _CrossEntropyAndClassLogits(torch.autograd.Function):
@@ -38,18 +50,21 @@ class _CrossEntropyAndClassLogits(torch.autograd.Function):
         class_logits, member_share = class_log_sum_exp(
             members.view(-1, num_classes, width), member_valid
         )
-        ctx.save_for_backward(log_probs, target, member_ids, member_share)
+        saved = _CrossEntropySaved(
+            log_probs=log_probs, target=target, member_ids=member_ids, member_share=member_share
+        )
+        save(ctx, saved)
         ctx.logits_meta = (logits.shape, logits.dtype)
         return ce, class_logits
 
     @staticmethod
     def backward(ctx, grad_ce, grad_class):
-        log_probs, target, member_ids, member_share = ctx.saved_tensors
+        saved = load(ctx, _CrossEntropySaved)
         shape, dtype = ctx.logits_meta
-        grad = torch.exp(log_probs).mul_(grad_ce.unsqueeze(1))  # softmax * dCE
-        grad.scatter_add_(1, target.unsqueeze(1), -grad_ce.unsqueeze(1))
-        member_grad = (grad_class.unsqueeze(-1) * member_share).flatten(1)
-        grad.index_add_(1, member_ids.flatten(), member_grad)
+        grad = torch.exp(saved.log_probs).mul_(grad_ce.unsqueeze(1))  # softmax * dCE
+        grad.scatter_add_(1, saved.target.unsqueeze(1), -grad_ce.unsqueeze(1))
+        member_grad = (grad_class.unsqueeze(-1) * saved.member_share).flatten(1)
+        grad.index_add_(1, saved.member_ids.flatten(), member_grad)
         if grad.shape[1] != shape[1]:
             grad = torch.nn.functional.pad(grad, (0, shape[1] - grad.shape[1]))
         return grad.to(dtype), None, None, None, None

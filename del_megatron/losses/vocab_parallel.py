@@ -12,6 +12,7 @@ EMO adds one all-reduce of [tokens, 2 * hidden] (expected embedding and target e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,13 +20,14 @@ import torch.distributed as dist
 from .. import collectives
 from .assemble import (
     NumericLossOutput,
-    Targets,
     assemble,
     check_logits_labels,
     compute_dtype,
     prepare_targets,
 )
 from .config import NumericLossConfig
+from .saved import load, save
+from .targets import Targets
 from .vocab import DigitVocab
 
 
@@ -91,6 +93,28 @@ def logit_gradient_(
     return grad
 
 
+class LogitGradientParts(NamedTuple):
+    """What backward needs, besides the exp buffer and the incoming gradients, to form the
+    gradient of this rank's logit columns (`logit_gradient_`): saved by both
+    vocabulary-parallel ops, the unfused one and the fused one (`fused.py`)."""
+
+    sum_exp: torch.Tensor  # [N] sum of exp(z - row max) over every rank's columns
+    local_target: torch.Tensor  # [N] long, the target's column here (0 where not owned)
+    owns_target: torch.Tensor  # [N] bool, whether this rank owns the target's column
+    member_share: torch.Tensor  # [N, K, M] each member's part of its class
+    local_member: torch.Tensor  # [K*M] long, each member's column here (0 where not owned)
+    owns_member: torch.Tensor  # [K*M] bool
+    emo: torch.Tensor  # [N] EMO's transport cost; [0] for the other kinds
+    target_embedding: torch.Tensor | None  # [N, h] the target's cost embedding (EMO), else None
+
+
+class _VocabParallelSaved(NamedTuple):
+    """What `_VocabParallelParts` keeps for backward."""
+
+    exp: torch.Tensor  # [N, owned] compute dtype exp(z - row max): becomes the gradient
+    parts: LogitGradientParts
+
+
 class _VocabParallelParts(torch.autograd.Function):
     """logits shard [N, V/tp] -> ce [N], class logits [N, K], target_is_max [N], emo [N]."""
 
@@ -148,17 +172,17 @@ class _VocabParallelParts(torch.autograd.Function):
             ctx.emo_cost = local_cost
 
         ctx.mark_non_differentiable(target_is_max)
-        ctx.save_for_backward(
-            exp,
-            sum_exp,
-            local_target,
-            owns_target,
-            member_share,
-            local_member,
-            owns_member,
-            emo,
-            target_embedding,
+        parts = LogitGradientParts(
+            sum_exp=sum_exp,
+            local_target=local_target,
+            owns_target=owns_target,
+            member_share=member_share,
+            local_member=local_member,
+            owns_member=owns_member,
+            emo=emo,
+            target_embedding=target_embedding,
         )
+        save(ctx, _VocabParallelSaved(exp=exp, parts=parts))
         ctx.layout = (local_columns, logits.dtype)
         ctx.consumed = False
         return ce, class_logits, target_is_max, emo
@@ -172,27 +196,26 @@ class _VocabParallelParts(torch.autograd.Function):
                 "is not supported"
             )
         ctx.consumed = True
-        (
-            exp,
-            sum_exp,
-            local_target,
-            owns_target,
-            member_share,
-            local_member,
-            owns_member,
-            emo,
-            target_embedding,
-        ) = ctx.saved_tensors
+        saved = load(ctx, _VocabParallelSaved)
+        parts = saved.parts
         local_columns, dtype = ctx.layout
-        rows = exp.shape[0]
+        rows = saved.exp.shape[0]
 
-        member_grad = (grad_class.unsqueeze(-1) * member_share).reshape(rows, -1) * owns_member
+        member_grad = (grad_class.unsqueeze(-1) * parts.member_share).reshape(rows, -1)
+        member_grad = member_grad * parts.owns_member
         emo_parts = None
-        if target_embedding is not None:
-            emo_parts = (ctx.emo_cost, target_embedding, emo, grad_emo)
+        if parts.target_embedding is not None:
+            emo_parts = (ctx.emo_cost, parts.target_embedding, parts.emo, grad_emo)
         # written into the saved exp buffer
         grad = logit_gradient_(
-            exp, sum_exp, grad_ce, local_target, owns_target, member_grad, local_member, emo_parts
+            saved.exp,
+            parts.sum_exp,
+            grad_ce,
+            parts.local_target,
+            parts.owns_target,
+            member_grad,
+            parts.local_member,
+            emo_parts,
         )
         if grad.shape[1] != local_columns:  # padded vocabulary columns: zero gradient
             grad = torch.nn.functional.pad(grad, (0, local_columns - grad.shape[1]))
