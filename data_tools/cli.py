@@ -11,13 +11,13 @@ import json
 import sys
 from pathlib import Path
 
-from del_megatron.caches import use_writable_caches
-from del_megatron.cli.arguments import (
+from del_megatron.arguments import (
     non_negative_int,
     positive_float,
     positive_int,
     progress_bars,
 )
+from del_megatron.caches import use_writable_caches
 from del_megatron.errors import INTERRUPTED, UserError
 
 from .readers import Fields

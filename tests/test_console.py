@@ -83,7 +83,7 @@ def test_no_progress_bars_into_a_log(monkeypatch):
     """A bar's every redraw ends up in a log file: drawn only on a terminal."""
     import sys
 
-    from del_megatron.cli.arguments import progress_bars
+    from del_megatron.arguments import progress_bars
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     assert not progress_bars(quiet=False)

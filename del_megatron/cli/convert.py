@@ -17,13 +17,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..arguments import positive_int
 from ..caches import use_writable_caches
 from ..errors import INTERRUPTED, UserError
 from ..models.conversion import export_hf, hf_to_megatron, open_hf
 from ..models.hf_config import ConversionError
 from ..models.weight_files import DTYPES
 from ..outputs import is_no_space, no_space
-from .arguments import positive_int
 
 
 def hf_to_megatron_cmd(args: argparse.Namespace) -> str:

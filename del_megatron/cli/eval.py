@@ -27,7 +27,7 @@ from ..errors import INTERRUPTED, UserError
 from ..evaluation.generation import DEFAULT_TEMPLATE, GenerationSettings
 from ..evaluation.harness import LmEvalSettings
 from ..evaluation.heldout import DEFAULT_WINDOW, HeldoutSettings
-from .arguments import non_negative_int, positive_int, progress_bars
+from ..arguments import non_negative_int, positive_int, progress_bars
 from .groups import ended_on_return
 
 if TYPE_CHECKING:  # torch is imported when a model is evaluated: --help answers at once

@@ -21,7 +21,7 @@ from ..config import dump_run_config, load_run_config
 from ..errors import INTERRUPTED, UserError
 from ..losses import Objective
 from ..rendezvous import StoppedWhileWaiting
-from .arguments import positive_float, positive_int
+from ..arguments import positive_float, positive_int
 from .groups import ended_on_return
 
 # "Stopped on request, checkpoint saved: run me again" (sysexits.h EX_TEMPFAIL, "try again

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from ..cli.arguments import positive_int
+from ..arguments import positive_int
 from ..errors import UserError
 from .config import DataConfig, DataSource
 from .loader import StreamingLoader

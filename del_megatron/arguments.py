@@ -1,5 +1,7 @@
-"""argparse types shared by the command lines: numbers that must be positive are refused
-with argparse's one-line usage error (exit status 2) instead of running with them."""
+"""argparse types shared by the command lines (del-train, del-eval, del-convert,
+`python -m del_megatron.data`, data-tools): numbers that must be positive are refused with
+argparse's one-line usage error (exit status 2) instead of running with them. At the package
+root, below `cli/`: a command outside `cli/` takes them without importing the others."""
 
 from __future__ import annotations
 
