@@ -65,7 +65,7 @@ for kind in "${kinds[@]}"; do
 done
 $bin/del-eval compare "${runs[@]}" --group-by parent-name --out "$plots" >/dev/null
 minutes=$((($(date +%s) - started + 59) / 60))
-$bin/python -m del_megatron.evaluation.results_page "$plots/comparison.md" "$report" \
+$bin/python -m experiments.results_page "$plots/comparison.md" "$report" \
   --plots "$plots" --minutes "$minutes" --steps "$steps" --seeds "${#seeds[@]}" \
   --notes launch/experiments/compare_losses.notes.md \
   --command "bash launch/experiments/compare_losses.sh ${1:-}"

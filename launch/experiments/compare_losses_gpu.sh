@@ -12,7 +12,8 @@
 #
 # Needs models/qwen2.5-1.5b (hf download Qwen/Qwen2.5-1.5B --local-dir ...), the
 # shards the config names (README, Multi-node: the same data-tools commands with
-# --tokenizer models/qwen2.5-1.5b), and GSM8K-format jsonl. Results: runs/compare-gpu/
+# --tokenizer models/qwen2.5-1.5b), GSM8K-format jsonl, and the extra `experiments` (pip
+# install -e '.[experiments]': scipy, for the task report). Results: runs/compare-gpu/
 # (the task report in runs/compare-gpu/tasks-report/).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,6 +24,11 @@ steps=${STEPS:-500}
 gsm8k=${GSM8K:?set GSM8K to a GSM8K-format jsonl (question, answer ending in '#### N')}
 root=${ROOT:-runs/compare-gpu}
 backend=transformers
+# the task report at the end (experiments/, from this checkout) needs scipy: said before the runs
+if ! python3 -c 'import scipy' 2>/dev/null; then
+  echo "compare_losses_gpu.sh: pip install -e '.[experiments]' first (scipy, for the report)" >&2
+  exit 2
+fi
 if python3 -c 'import vllm' 2>/dev/null; then backend=vllm; fi
 
 # the task suite's held-out problems: the same as the CPU protocol's (seed 0), whatever the
@@ -45,6 +51,6 @@ for kind in "${kinds[@]}"; do
   done
 done
 del-eval compare "${runs[@]}" --group-by parent-name --out "$root/plots"
-python3 -m del_megatron.evaluation.task_report --evaluated "${runs[@]}" \
+python3 -m experiments.numeric_tasks.report --evaluated "${runs[@]}" \
   --command "KINDS=\"${kinds[*]}\" SEEDS=\"${seeds[*]}\" STEPS=$steps bash $0" \
   --out "$root/tasks-report"

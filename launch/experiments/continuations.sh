@@ -3,7 +3,7 @@
 # 1000), then 300-step continuations of each on one data order: MLE, a placebo (lr x1.1),
 # DEL at alpha 0.1, 0.3, 1, 3, the shift-invariant DEL (ours) at the same alphas, DIST2 0.1,
 # NTL-WAS 0.3. Pre-registered primary endpoints, each a trend in log alpha, Holm-corrected
-# (del_megatron/evaluation/continuation_report.py); the page: docs/results/continuations/.
+# (experiments/continuations/report.py); the page: docs/results/continuations/.
 #
 #   bash launch/experiments/continuations.sh          # about 40 minutes on 2 idle cores
 #   bash launch/experiments/continuations.sh --ci     # 2 bases, 3 arms, 10 steps (CI)
@@ -15,4 +15,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash launch/setup_env.sh
-exec .venv/bin/python -m del_megatron.evaluation.continuation_experiment "$@"
+exec .venv/bin/python -m experiments.continuations.run "$@"

@@ -12,8 +12,8 @@
 #
 # Runs and data go to runs/numeric-tasks (--root), the report to ROOT/report (--out). A
 # killed experiment continues where it stopped: finished runs are kept, a run cut short is
-# made again. One progress line per run. Module: del_megatron/evaluation/task_experiment.py.
+# made again. One progress line per run. Module: experiments/numeric_tasks/run.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash launch/setup_env.sh
-exec .venv/bin/python -m del_megatron.evaluation.task_experiment "$@"
+exec .venv/bin/python -m experiments.numeric_tasks.run "$@"

@@ -136,7 +136,7 @@ def test_generation_lm_eval_and_compare(trained, synth_corpus, tmp_path):
     ]
     # with the numeric task suite, as launch/experiments/compare_losses_gpu.sh evaluates it
     from data_tools.tasks import MAKERS, write_tasks
-    from del_megatron.evaluation.task_report import main as task_report
+    from experiments.numeric_tasks.report import main as task_report
 
     write_tasks(tmp_path / "suite", documents=1, heldout=3, seed=0)
     suite = ["--tasks", tmp_path / "suite", "--task-shots", "1", "--task-limit", "1"]

@@ -1,4 +1,4 @@
-"""Effect sizes (evaluation/effects.py): the paired t interval against values computed by
+"""Effect sizes (experiments/effects.py): the paired t interval against values computed by
 hand, pairing by seed, and steps-to-threshold."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from del_megatron.evaluation.effects import (
+from experiments.effects import (
     paired_differences,
     paired_effect,
     steps_to_threshold,
@@ -59,7 +59,7 @@ def test_steps_to_threshold():
 
 
 def test_paired_p_holm_and_benjamini_hochberg_by_hand():
-    from del_megatron.evaluation.effects import benjamini_hochberg, holm, paired_p
+    from experiments.effects import benjamini_hochberg, holm, paired_p
 
     # mean 3, sd sqrt(2.5), n 5: t = 3 / (1.5811388 / 2.2360680) = 4.2426407, df 4:
     # two-sided p = 0.0132356 (scipy.stats.t.sf(4.2426407, 4) * 2)

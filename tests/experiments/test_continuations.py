@@ -1,5 +1,5 @@
-"""The continuation experiment (evaluation/continuation_experiment.py) and its pre-registered
-analysis (evaluation/continuation_report.py): the trend test against an independent least
+"""The continuation experiment (experiments/continuations/run.py) and its pre-registered
+analysis (experiments/continuations/report.py): the trend test against an independent least
 squares fit, Holm over the primary endpoints, a page that claims only what survives and
 states its power, regenerated from its raw rows; the continuations' commands. The whole
 pipeline on real training runs is CI's (`launch/experiments/continuations.sh --ci`)."""
@@ -13,8 +13,8 @@ import random
 import numpy as np
 import pytest
 
-from del_megatron.evaluation import continuation_experiment as ex
-from del_megatron.evaluation import continuation_report as cr
+from experiments.continuations import report as cr
+from experiments.continuations import run as ex
 
 TASKS = {"add": "hard", "subtract": "hard", "multiply": "hard", "noisy": "easy"}
 

@@ -1,4 +1,4 @@
-"""The numeric-task protocol (evaluation/task_experiment.py, task_report.py): a killed
+"""The numeric-task protocol (experiments/numeric_tasks/run.py, report.py): a killed
 experiment continues where it stopped and keeps its finished runs; runs of another protocol
 are refused; the report's intervals come from the raw rows it saves, and again from them
 alone."""
@@ -15,9 +15,11 @@ import sys
 import pytest
 
 from del_megatron.errors import UserError
-from del_megatron.evaluation import task_experiment as ex
-from del_megatron.evaluation.task_report import main as report_main
-from del_megatron.evaluation.task_report import read_raw, read_runs, write_report
+from experiments.numeric_tasks import run as ex
+from experiments.numeric_tasks.report import main as report_main
+from experiments.numeric_tasks.report import read_raw, read_runs, write_report
+
+from ..distributed.launcher import ROOT
 
 TASKS = {"copy": ("easy", 0.0), "noisy": ("easy", 0.6)}
 PROTOCOL = ex.Protocol(
@@ -154,7 +156,7 @@ def test_report_intervals_from_the_raw_rows(tmp_path):
 STOPPABLE = """
 import signal, sys, threading
 from pathlib import Path
-from del_megatron.evaluation import task_experiment as ex
+from experiments.numeric_tasks import run as ex
 
 def worker(protocol, run, data, children):
     run.directory.mkdir(parents=True)
@@ -175,7 +177,10 @@ def test_sigterm_stops_the_experiment_while_a_run_is_in_flight(tmp_path):
     run's future without a timeout, it slept through a SIGTERM delivered to the worker
     thread until the run ended (here 600 s). Woken, it stops the run's child and exits."""
     process = subprocess.Popen(
-        [sys.executable, "-c", STOPPABLE, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", STOPPABLE, str(tmp_path)],
+        cwd=ROOT,  # where `experiments` imports from (it is not installed)
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert process.stdout.readline().strip() == "signalled"  # imports done

@@ -1,7 +1,7 @@
 """The comparison page (docs/results.md): what was run, where and how long, the table of
 `del-eval compare`, its plots, and the notes kept beside the experiment script.
 
-    python -m del_megatron.evaluation.results_page COMPARISON_MD OUT_MD --plots DIR
+    python -m experiments.results_page COMPARISON_MD OUT_MD --plots DIR
         --minutes N --steps N --seeds N --notes FILE --command TEXT
 """
 
@@ -10,23 +10,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 from pathlib import Path
 
-from ..outputs import write_text_atomic
+from del_megatron.outputs import write_text_atomic
 
-
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__}"
+from .machine import machine
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,9 +3,9 @@ kind, seed, step and task: everything measured, so anyone can recompute the inte
 report.md (per task and kind: final metrics over seeds, the difference to MLE with its 95%
 interval paired by seed, steps to the digit-accuracy threshold) and the plots.
 
-    python -m del_megatron.evaluation.task_report RAW_RUNS_JSONL --out DIR
+    python -m experiments.numeric_tasks.report RAW_RUNS_JSONL --out DIR
         (the report again from the raw rows alone)
-    python -m del_megatron.evaluation.task_report --evaluated KIND-SEED ... --out DIR
+    python -m experiments.numeric_tasks.report --evaluated KIND-SEED ... --out DIR
         (from `del-eval --tasks` results, one step a run: compare_losses_gpu.sh)
 """
 
@@ -20,9 +20,10 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import UserError
-from ..outputs import write_text_atomic
-from .effects import (
+from del_megatron.errors import UserError
+from del_megatron.outputs import write_text_atomic
+
+from ..effects import (
     CONFIDENCE,
     MIN_PAIRS,
     Interval,
@@ -71,7 +72,7 @@ def run_of_evaluation(directory: Path) -> dict:
     """A run in the protocol's form from `del-eval --tasks` results in `directory` (named
     KIND-SEED, as launch/experiments/compare_losses_gpu.sh names them; the step read from
     the evaluated checkpoint's name, 0 for another model)."""
-    from .compare import group_name, read_results
+    from del_megatron.evaluation.compare import group_name, read_results
 
     results = read_results(directory)
     if not isinstance(results.get("tasks"), dict):
@@ -400,7 +401,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
 
 def report(rows: list[dict], *, protocol: dict, command: str, minutes: float) -> str:
-    from .results_page import machine
+    from ..machine import machine
 
     effect_md, notes, tested = effect_tables(rows)
     last = max(r["step"] for r in rows)
@@ -431,7 +432,7 @@ Protocol: {json.dumps(protocol)}. Metrics on each task's held-out answers at ste
 (the last); mean ± standard deviation over seeds. Differences to MLE are paired by seed,
 with a 95% Student t interval; **✱** marks an interval that excludes 0 (from
 {MIN_PAIRS} seeds or more; fewer make no claim). Recompute
-everything from raw_runs.jsonl: `python -m del_megatron.evaluation.task_report
+everything from raw_runs.jsonl: `python -m experiments.numeric_tasks.report
 raw_runs.jsonl --out DIR`.
 
 ## Where an interval excludes 0
@@ -519,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             recorded = json.loads((a.raw.parent / "protocol.json").read_text())
             write_outputs(read_raw(a.raw), a.out, recorded)
     except (UserError, OSError, json.JSONDecodeError, KeyError) as err:
-        print(f"task_report: error: {err}", file=sys.stderr)
+        print(f"numeric-task report: error: {err}", file=sys.stderr)
         return 2
     return 0
 

@@ -1,11 +1,11 @@
 """The numeric-task protocol (launch/experiments/numeric_tasks.sh): every loss kind x every
 seed trained on the same task suite with the same model and schedule, each run's
-checkpoints at fixed steps evaluated per task (`task_suite`), then the report with each
-kind's difference to MLE paired by seed (`task_report`).
+checkpoints at fixed steps evaluated per task (`del_megatron.evaluation.task_suite`), then
+the report with each kind's difference to MLE paired by seed (`report`).
 
-    python -m del_megatron.evaluation.task_experiment [--ci] [--root DIR] [--out DIR]
+    python -m experiments.numeric_tasks.run [--ci] [--root DIR] [--out DIR]
         [--jobs N] [--kinds K ...] [--seeds S ...] [--steps N] [--eval-every N]
-    python -m del_megatron.evaluation.task_experiment evaluate-run RUN_DIR --suite DIR
+    python -m experiments.numeric_tasks.run evaluate-run RUN_DIR --suite DIR
         --greedy-limit N   (one run's checkpoints; what the protocol starts per run)
 
 Resumable: a run is done when its metrics.json exists (written atomically after its last
@@ -31,10 +31,14 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..errors import UserError
-from ..outputs import write_text_atomic
+from del_megatron.errors import UserError
+from del_megatron.outputs import write_text_atomic
+
+from .. import REPOSITORY
 
 ALL_KINDS = ("mle", "del", "ntl_was", "ntl_mse", "dist2", "mixce", "emo", "del_distance")
+# The model and schedule, found from this checkout whatever the working directory; named
+# relative to it, as protocol.json records it.
 CONFIG = "configs/numeric_tasks_cpu.yaml"
 
 
@@ -150,7 +154,7 @@ def train_command(protocol: Protocol, run: Run, data: Path) -> list[str]:
         "-m",
         "del_megatron.cli.train",
         "--config",
-        protocol.config,
+        str(REPOSITORY / protocol.config),
         f"loss.kind={run.kind}",
         f"train.seed={run.seed}",
         f"train.steps={protocol.steps}",
@@ -166,7 +170,7 @@ def evaluate_command(protocol: Protocol, run: Run, data: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "del_megatron.evaluation.task_experiment",
+        "experiments.numeric_tasks.run",
         "evaluate-run",
         str(run.directory),
         "--suite",
@@ -312,9 +316,9 @@ def evaluate_run(run_dir: Path, suite_dir: Path, greedy_limit: int) -> None:
     import torch
     import yaml
 
-    from ..models.conversion import export_hf
-    from .backends import load_model, max_positions
-    from .task_suite import evaluate_suite, load_suite
+    from del_megatron.evaluation.backends import load_model, max_positions
+    from del_megatron.evaluation.task_suite import evaluate_suite, load_suite
+    from del_megatron.models.conversion import export_hf
 
     suite = load_suite(suite_dir)
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
@@ -344,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["evaluate-run"]:
-            p = argparse.ArgumentParser(prog="task_experiment evaluate-run")
+            p = argparse.ArgumentParser(prog="numeric_tasks evaluate-run")
             p.add_argument("run_dir", type=Path)
             p.add_argument("--suite", type=Path, required=True)
             p.add_argument("--greedy-limit", type=int, required=True)
@@ -385,7 +389,7 @@ def experiment_main(argv: list[str]) -> int:
         "eval_every": a.eval_every,
     }
     protocol = replace(protocol, **{k: v for k, v in changes.items() if v is not None})
-    from .task_report import BASELINE
+    from .report import BASELINE
 
     if BASELINE not in protocol.kinds:
         raise UserError(f"--kinds: the effects are differences to {BASELINE}; include it")
@@ -394,7 +398,7 @@ def experiment_main(argv: list[str]) -> int:
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _stopped)  # a kill ends the runs in flight too
     runs = run_protocol(protocol, root, jobs=a.jobs)
-    from .task_report import read_runs, write_report
+    from .report import read_runs, write_report
 
     command = "bash launch/experiments/numeric_tasks.sh " + " ".join(argv)
     written = write_report(

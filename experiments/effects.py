@@ -1,7 +1,7 @@
 """Effect sizes between loss kinds: each kind's difference to a baseline paired by seed, with
 a t confidence interval, and steps-to-threshold of learning curves. Pure functions on
-numbers: the experiment's report (`task_report`) recomputes every interval from the raw
-per-run metrics with them.
+numbers: the experiments' reports (`numeric_tasks.report`, `continuations.report`) recompute
+every interval from the raw per-run metrics with them.
 """
 
 from __future__ import annotations

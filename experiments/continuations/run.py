@@ -2,17 +2,17 @@
 MLE has already trained, and by how much, against what a trivial nudge does?
 
 Shared bases: one MLE run per seed to `base_steps` on the numeric task suite (the numeric-task
-protocol's data, model and schedule, `task_experiment`). Then every arm continues each base
+protocol's data, model and schedule, `numeric_tasks.run`). Then every arm continues each base
 for `steps` from its weights (a fresh optimizer, as continued pretraining starts from a
 released model), all arms of one base on the same data order (data.seed per base) and
 schedule: MLE, a placebo (MLE at lr x1.1), DEL at alpha in {0.1, 0.3, 1, 3}, the
 shift-invariant DEL (`loss.shift_invariant`, ours) at the same alphas, DIST2 0.1 and NTL
 (Wasserstein) 0.3. Each continuation's last checkpoint is evaluated per task (greedy answers
 too: number MAE), and its training metrics every `log_every` steps (the digit logits' level,
-the term) are kept with it. The analysis is fixed in advance (`continuation_report`:
+the term) are kept with it. The analysis is fixed in advance (`report`:
 PRIMARY endpoints, each a trend in log alpha, Holm-corrected).
 
-    python -m del_megatron.evaluation.continuation_experiment [--ci] [--root DIR] [--out DIR]
+    python -m experiments.continuations.run [--ci] [--root DIR] [--out DIR]
         [--jobs N]
 
 Resumable: a run is done when its metrics.json exists (written atomically once evaluated);
@@ -33,9 +33,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import UserError
-from ..outputs import write_text_atomic
-from .task_experiment import CONFIG, Children, check_root, prepare_data, side_by_side
+from del_megatron.errors import UserError
+from del_megatron.outputs import write_text_atomic
+
+from .. import REPOSITORY
+from ..numeric_tasks.run import CONFIG, Children, check_root, prepare_data, side_by_side
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ def train_command(protocol: Protocol, run: Run, data: Path, root: Path) -> list[
         "-m",
         "del_megatron.cli.train",
         "--config",
-        protocol.config,
+        str(REPOSITORY / protocol.config),
         # train.seed sets the initial weights and the data order: a continuation's weights
         # are its base's, its data order one per base (the same for every arm)
         f"train.seed={run.seed if run.arm is None else 2000 + run.seed}",
@@ -227,7 +229,7 @@ def train_and_evaluate(
     evaluate = [
         sys.executable,
         "-m",
-        "del_megatron.evaluation.task_experiment",
+        "experiments.numeric_tasks.run",
         "evaluate-run",
         str(run.directory),
         "--suite",
@@ -326,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stopped)
     try:
         runs = run_all(protocol, root, jobs=a.jobs)
-        from .continuation_report import write_report
+        from .report import write_report
 
         metrics = [json.loads((r.directory / "metrics.json").read_text()) for r in runs]
         bases = [

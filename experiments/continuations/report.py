@@ -1,7 +1,7 @@
-"""The continuation experiment's analysis and page (`continuation_experiment`), fixed before
-the full run and recomputed from its raw rows alone:
+"""The continuation experiment's analysis and page (`run`), fixed before the full run and
+recomputed from its raw rows alone:
 
-    python -m del_megatron.evaluation.continuation_report RAW_ROWS.jsonl --out DIR
+    python -m experiments.continuations.report RAW_ROWS.jsonl --out DIR
 
 **Pre-registered** (committed before the full run; docs/results/continuations/): the PRIMARY
 endpoints below, each at the continuations' last step; for each, the DEL arm's trend in
@@ -26,10 +26,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UserError
-from ..outputs import write_text_atomic
-from .effects import holm, t_interval
-from .task_report import read_raw  # the same raw-row format: one JSON object a line
+from del_megatron.errors import UserError
+from del_megatron.outputs import write_text_atomic
+
+from ..effects import holm, t_interval
+from ..numeric_tasks.report import read_raw  # the same raw-row format: one JSON object a line
 
 # (task, metric, label, the direction DEL's claim predicts): the pre-registered endpoints
 PRIMARY = (
@@ -360,12 +361,12 @@ Protocol: {json.dumps({k: v for k, v in protocol.items() if k != "arms"})}; arms
 arm continues each base for {protocol.get("steps")} steps from its weights (a fresh optimizer,
 as continued pretraining starts from a released model) on one data order per base. Metrics
 on each task's held-out answers at the continuations' last step. Recompute everything from
-raw_runs.jsonl: `python -m del_megatron.evaluation.continuation_report raw_runs.jsonl --out DIR`.
+raw_runs.jsonl: `python -m experiments.continuations.report raw_runs.jsonl --out DIR`.
 
 ## Pre-registered primary endpoints (DEL, trend in log10 α, Holm at 5%)
 
 Fixed before the full run (module docstring of
-`del_megatron/evaluation/continuation_report.py`). The slope is the change per decade of α
+`experiments/continuations/report.py`). The slope is the change per decade of α
 (α = 0.1, 0.3, 1, 3) with one intercept per base; **✱** marks a Holm-adjusted p below 0.05.
 "Detectable at 80%" is the smallest |slope| this design finds with 80% power at Holm's
 strictest level (0.05 / {len(PRIMARY)}), from the endpoint's own residual spread.
@@ -419,7 +420,7 @@ def write_outputs(rows: list[dict], out: Path, recorded: dict) -> Path:
 def write_report(
     runs: Iterable[dict], out: Path, *, protocol: dict, command: str, minutes: float
 ) -> Path:
-    from .results_page import machine
+    from ..machine import machine
 
     rows = raw_rows(list(runs))
     recorded = {
@@ -446,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         recorded = json.loads((a.raw.parent / "protocol.json").read_text())
         write_outputs(read_raw(a.raw), a.out, recorded)
     except (UserError, OSError, json.JSONDecodeError, KeyError) as err:
-        print(f"continuation_report: error: {err}", file=sys.stderr)
+        print(f"continuation report: error: {err}", file=sys.stderr)
         return 2
     return 0
 
