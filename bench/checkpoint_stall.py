@@ -62,7 +62,7 @@ def main() -> None:
 
     from train_step import tokenizer_path  # bench/train_step.py, beside this script
 
-    from del_megatron.checkpoint import publish, save
+    from del_megatron.training import checkpointing
     from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
     root = Path(tempfile.mkdtemp(prefix="del-bench-stall-"))
@@ -93,7 +93,7 @@ def main() -> None:
         train = cfg.train.model_copy(update={"background_checkpoints": background})
         run.cfg = cfg.model_copy(update={"train": train})
         started = time.perf_counter()
-        pending = save.save(run, step, None, keep=1)
+        pending = checkpointing.save(run, step, None, keep=1)
         stall = time.perf_counter() - started
         slower = 0.0
         while True:  # the trainer's loop: publish once the step's agreement says written
@@ -103,7 +103,7 @@ def main() -> None:
                 slower += seconds - statistics.median(quiet)
                 continue
             started = time.perf_counter()
-            publish.publish(run, pending)
+            checkpointing.publish(run, pending)
             stall += time.perf_counter() - started
             break
         stalls[background].append(stall)

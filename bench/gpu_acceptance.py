@@ -214,7 +214,8 @@ def probe_env(device: str) -> dict:
     import torch
 
     from del_megatron.losses.fused import addmm_out_dtype_supported
-    from del_megatron.models.device import select_accelerator, transformer_engine_available
+    from del_megatron.models.spec import transformer_engine_available
+    from del_megatron.runtime import select_accelerator
 
     dev = torch.device(device)
     select_accelerator(dev)  # before DeepSpeed is imported
@@ -242,7 +243,8 @@ def probe_env(device: str) -> dict:
                      nccl=".".join(map(str, torch.cuda.nccl.version())),
                      deepspeed_accelerator=get_accelerator()._name)
     try:  # deepspeed-config's figures; a failure there is that row's, not a blocking one
-        from del_megatron.config import deepspeed_config, load_run_config
+        from del_megatron.config import load_run_config
+        from del_megatron.training.engines.deepspeed import deepspeed_config
 
         run = load_run_config(ROOT / "configs" / "qwen2.5_7b.yaml", [])
         facts["deepspeed_engines"] = probe_deepspeed(dev, deepspeed_config(run, 8, gpu=True))
@@ -521,8 +523,9 @@ def probe_import(hf: Path, device: str) -> dict:
 
     from del_megatron import DigitVocab, NumericLossConfig
     from del_megatron.models.conversion import open_hf
-    from del_megatron.models.device import model_dtype, select_accelerator
+    from del_megatron.models.spec import model_dtype
     from del_megatron.parallel import init_distributed, init_model_parallel
+    from del_megatron.runtime import select_accelerator
 
     dev = torch.device(device)
     select_accelerator(dev)
@@ -623,7 +626,7 @@ def check_bench_train_step(c: Check) -> None:
     if c.mode.device == "cuda":  # a floor (host syncs, fp32 math); no CPU peak to judge
         if math.isnan(rows["del"][5]):
             raise Failed("no MFU: this GPU's name (the env row's gpu) is not in "
-                         "del_megatron/models/device.py's PEAK_FLOPS")
+                         "del_megatron/runtime.py's PEAK_FLOPS")
         c.within("mfu_del", rows["del"][5], 0.20, 1)
 
 

@@ -83,7 +83,8 @@ def setup(args):
     from megatron.core import parallel_state
 
     from del_megatron import DigitVocab
-    from del_megatron.models.device import bind_local_device, select_accelerator
+    from del_megatron.parallel import bind_local_device
+    from del_megatron.runtime import select_accelerator
 
     device = torch.device(args.device)
     select_accelerator(device)

@@ -82,7 +82,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from del_megatron.models.device import bind_local_device
+    from del_megatron.parallel import bind_local_device
 
     device = torch.device(args.device)
     bind_local_device(device, os.environ)  # the project's one binding rule, before NCCL's

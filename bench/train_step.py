@@ -100,7 +100,7 @@ def engine_config(cfg, engine: str):
 
 def compare_engines(cfg, args, batch_of) -> None:
     """The deepspeed and the megatron engine, one run each in this process, ABBA."""
-    from del_megatron.models.device import synchronize
+    from del_megatron.runtime import synchronize
     from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
     engines = ("deepspeed", "megatron")
@@ -159,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from del_megatron.losses import NumericLossConfig, NumericLossHead
-    from del_megatron.models.device import synchronize
+    from del_megatron.runtime import synchronize
     from del_megatron.training.trainer import next_micro_batches, setup, train_step
 
     root = Path(tempfile.mkdtemp(prefix="del-bench-step-"))

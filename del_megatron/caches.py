@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import UserError
+from .parallel import local_rank
 
 # (variable that places it, its default under HOME, what it is for the line)
 CACHES = (
@@ -81,7 +82,7 @@ def use_writable_caches(program: str, env: dict[str, str] | None = None) -> Path
         )
     for variable, _ in unwritable:
         env[variable] = str(base / variable.lower())
-    if env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")) == "0":
+    if local_rank(env) == 0:
         names = ", ".join(dict.fromkeys(what for _, what in unwritable))
         print(
             f"{program}: HOME={home} is not writable: caches ({names}) go under {base}",

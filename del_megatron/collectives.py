@@ -99,7 +99,7 @@ def all_gather(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None) 
 
 def all_gather_object(obj: Any, *, group: dist.ProcessGroup | None = None) -> list:
     """Every rank's picklable `obj`, in rank order. On NCCL, torch stages the pickles on the
-    current CUDA device (set per rank by models.device.bind_local_device)."""
+    current CUDA device (set per rank by parallel.bind_local_device)."""
     if _alone(group):
         return [obj]
     gathered: list[Any] = [None] * dist.get_world_size(group)

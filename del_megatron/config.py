@@ -3,7 +3,9 @@
 `load_run_config(path, overrides)` reads YAML, applies `section.field=value` overrides
 (values parsed as YAML), validates, and raises `ConfigError` with one line naming the field.
 Checks that need the environment (world size, device, tokenizer and manifest files) are in
-`check_environment`. The DeepSpeed JSON is generated from this record (`deepspeed_config`),
+`check_environment`. The engines are named by their registry (training/engines/: the
+values train.engine takes, and each engine's rules, which `RunConfig`'s check asks); the
+DeepSpeed JSON is generated from this record (training/engines/deepspeed.deepspeed_config),
 never written by hand.
 """
 
@@ -24,6 +26,8 @@ from .data.config import DataConfig, DataSource
 from .errors import UserError
 from .losses import NumericLossConfig
 from .models.architecture import LlamaArchitecture
+from .training.engines import DEFAULT as DEFAULT_ENGINE
+from .training.engines import NAMES as ENGINE_NAMES
 
 
 class ConfigError(UserError, ValueError):
@@ -104,7 +108,7 @@ class TrainConfig(_Section):
     activation_checkpointing: bool = True
     """Recompute activations in backward (GPU only; megatron's recompute needs CUDA RNG)."""
     deterministic: bool = False
-    """torch's deterministic kernels only (models/device.deterministic_algorithms), as
+    """torch's deterministic kernels only (runtime.deterministic_algorithms), as
     Megatron-LM's --deterministic-mode: two runs of one command on one machine repeat bit for
     bit (a resumed run its straight twin); some kernels are slower; an op without such a
     kernel fails the run."""
@@ -129,7 +133,7 @@ class TrainConfig(_Section):
     max_nonfinite_steps: int = Field(default=5, gt=0)
     """Stop after this many optimizer steps in a row with non-finite loss or gradients
     (each is skipped by the ZeRO optimizer: no update, no schedule step)."""
-    engine: Literal["deepspeed", "megatron"] = "deepspeed"
+    engine: Literal[ENGINE_NAMES] = DEFAULT_ENGINE
     """What runs the step: `deepspeed` (ZeRO 1-3 over data-parallel ranks, tensor parallel,
     the layout-free checkpoints) or `megatron`: megatron-core's own engine (its
     DistributedDataParallel, its optimizer, distributed on GPU, and its schedules through
@@ -246,7 +250,9 @@ class RunConfig(_Section):
                 f"train.global_batch_size={self.train.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.train.micro_batch_size}"
             )
-        engine_problem = _engine_problem(self)
+        from .training.engines import kind_of
+
+        engine_problem = kind_of(self.train.engine).config_problem(self)
         if engine_problem:
             raise ValueError(engine_problem)
         if self.parallel.sequence_parallel:
@@ -346,118 +352,6 @@ class RunConfig(_Section):
                 "train.global_batch_size or unset parallel.virtual_pipeline_parallel"
             )
         return accumulation
-
-
-def _engine_problem(cfg: RunConfig) -> str | None:
-    """What the run's train.engine cannot do with the rest of the config, in one line (None:
-    nothing)."""
-    parallel, engine = cfg.parallel, cfg.train.engine
-    if engine == "deepspeed":
-        staged = {
-            "pipeline_parallel": parallel.pipeline_parallel > 1,
-            "virtual_pipeline_parallel": parallel.virtual_pipeline_parallel is not None,
-            "first_stage_layers": parallel.first_stage_layers is not None,
-            "last_stage_layers": parallel.last_stage_layers is not None,
-        }
-        for name, given in staged.items():
-            if given:
-                return (
-                    f"parallel.{name} needs train.engine=megatron: megatron-core's pipeline "
-                    "schedules run their own backward, which would bypass the DeepSpeed engine"
-                )
-        return None
-    if cfg.train.checkpoints and not cfg.train.layout_free_checkpoints:
-        return (
-            "train.layout_free_checkpoints=false keeps DeepSpeed's own optimizer state, which "
-            "train.engine=megatron has not: its checkpoints are layout-free (drop the override)"
-        )
-    if parallel.virtual_pipeline_parallel is not None:
-        if parallel.pipeline_parallel == 1:
-            return "parallel.virtual_pipeline_parallel needs parallel.pipeline_parallel > 1"
-        chunks = parallel.pipeline_parallel * parallel.virtual_pipeline_parallel
-        uneven = parallel.first_stage_layers is not None or parallel.last_stage_layers is not None
-        if uneven:
-            return (
-                "parallel.first_stage_layers / last_stage_layers with "
-                "parallel.virtual_pipeline_parallel: not supported here (every model chunk "
-                "gets the same number of layers)"
-            )
-        if cfg.model.num_layers % chunks:
-            return (
-                f"model.num_layers={cfg.model.num_layers} does not split into "
-                f"parallel.pipeline_parallel x virtual_pipeline_parallel = {chunks} equal chunks"
-            )
-    elif parallel.pipeline_parallel > 1:
-        return _stage_split_problem(cfg.model.num_layers, parallel)
-    elif parallel.first_stage_layers is not None or parallel.last_stage_layers is not None:
-        return "parallel.first_stage_layers / last_stage_layers need parallel.pipeline_parallel > 1"
-    return None
-
-
-def _stage_split_problem(layers: int, parallel: ParallelConfig) -> str | None:
-    """Whether `layers` split over the pipeline's stages as parallel.first_stage_layers /
-    last_stage_layers ask (megatron's rule: the stages between split the rest evenly)."""
-    pp, first, last = (
-        parallel.pipeline_parallel,
-        parallel.first_stage_layers,
-        parallel.last_stage_layers,
-    )
-    rest, middle = (
-        layers - (first or 0) - (last or 0),
-        pp - (first is not None) - (last is not None),
-    )
-    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
-        given = ", ".join(
-            f"parallel.{n}={v}"
-            for n, v in (("first_stage_layers", first), ("last_stage_layers", last))
-            if v is not None
-        )
-        return (
-            f"model.num_layers={layers} does not split over parallel.pipeline_parallel={pp} "
-            f"stages{' with ' + given if given else ''}: the stages "
-            f"{'between ' if given else ''}take equal shares"
-        )
-    return None
-
-
-def deepspeed_config(cfg: RunConfig, world_size: int, *, gpu: bool) -> dict[str, Any]:
-    """The DeepSpeed JSON of a run (generated, so it cannot disagree with the run config):
-    bf16 on GPU, float32 on CPU; torch's AdamW (multi-tensor on GPU) under ZeRO on both.
-
-    Not DeepSpeed's FusedAdam: it is compiled at the first step (nvcc, ninja and the Python
-    headers matching torch's CUDA on every node), a start-up failure on images without a
-    compiler that torch's own kernels do not have; its speed-up is in the optimizer step
-    alone, unmeasured here.
-
-    With bf16, micro-batch gradients are summed and reduced across data-parallel ranks in
-    float32 (`data_types.grad_accum_dtype`, `communication_data_type`), as megatron does:
-    DeepSpeed's default sums and reduces them in bf16, which rounds the running sum at every
-    micro-batch (0.85% of the gradient over 64 micro-batches against 0.21% for float32 sums,
-    tests/training/test_bf16_accumulation.py). At ZeRO 1 this selects DeepSpeed's
-    BF16_Optimizer."""
-    precision: dict[str, Any] = {"bf16": {"enabled": gpu}}
-    if gpu:
-        precision.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32")
-    return {
-        "train_batch_size": cfg.train.global_batch_size,
-        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
-        "gradient_accumulation_steps": cfg.accumulation_steps(world_size),
-        "gradient_clipping": cfg.optim.clip_grad,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": cfg.optim.lr,
-                "betas": [cfg.optim.beta1, cfg.optim.beta2],
-                "eps": cfg.optim.eps,
-                "weight_decay": cfg.optim.weight_decay,
-                "torch_adam": True,
-            },
-        },
-        **precision,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
 
 
 # ---- loading ----------------------------------------------------------------------------

@@ -1,18 +1,80 @@
-"""Process groups: torch.distributed and megatron-core's parallel state, and the adapter
-DeepSpeed takes as `mpu` so ZeRO reduces over data-parallel ranks only."""
+"""A rank's place from its launcher's environment (torchrun's or SLURM's variables: the one
+reading of them) and the GPU it takes, process groups (torch.distributed and megatron-core's
+parallel state), and the adapter DeepSpeed takes as `mpu` so ZeRO reduces over
+data-parallel ranks only.
+
+The environment's part imports nothing heavy (the cache set-up and the console read it
+before torch); torch and megatron-core are imported by the functions that make groups."""
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
+from .errors import UserError
 
-from .config import ConfigError
-from .models.device import bind_local_device, process_group_backend, quiet_communication_setup
+
+def launch_rank(env: Mapping[str, str] = os.environ) -> int:
+    """This process's global rank as its launcher set it: torchrun's RANK, else SLURM's
+    SLURM_PROCID under srun, else 0 (a process started alone)."""
+    return int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+
+
+def local_rank(env: Mapping[str, str] = os.environ) -> int:
+    """This process's rank on its node: torchrun's LOCAL_RANK, else SLURM_LOCALID under
+    srun, else 0."""
+    return int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
+
+
+def first_on_node(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this is the first rank of its node: torchrun's LOCAL_RANK (it sets
+    LOCAL_WORLD_SIZE too), else SLURM's task id on the node (under srun, LOCAL_RANK names the
+    rank's device once it is bound: `bind_local_device`)."""
+    if "LOCAL_WORLD_SIZE" in env or "SLURM_LOCALID" not in env:
+        return env.get("LOCAL_RANK", "0") == "0"
+    return env["SLURM_LOCALID"] == "0"
+
+
+def local_device_index(env: Mapping[str, str], device_count: int) -> int:
+    """The CUDA device (an index among those this process sees) of this rank.
+
+    env: the process environment (LOCAL_RANK, or SLURM_LOCALID under srun; LOCAL_WORLD_SIZE
+    when torchrun started it); device_count: the devices this process sees (after
+    CUDA_VISIBLE_DEVICES). Every rank of a node that sees the node's devices (torchrun, srun
+    without GPU binding) takes its local rank; a task bound to one GPU (srun
+    --gpus-per-task=1, --gpu-bind) sees that GPU alone, as device 0, whatever its local rank.
+    Anything else would put two ranks on one device (NCCL refuses it) or leave the choice to
+    chance: one line naming what was seen.
+    """
+    local = local_rank(env)
+    if device_count < 1:
+        raise UserError("train.device=cuda but this process sees no CUDA device")
+    if local < device_count:
+        return local
+    if device_count == 1 and "LOCAL_WORLD_SIZE" not in env:  # srun's per-task binding
+        return 0
+    visible = env.get("CUDA_VISIBLE_DEVICES", "unset")
+    raise UserError(
+        f"local rank {local} but this process sees {device_count} CUDA device(s) "
+        f"(CUDA_VISIBLE_DEVICES={visible}): start one rank per GPU (torchrun --nproc_per_node "
+        "at most the GPUs, or srun --gpus-per-task=1)"
+    )
+
+
+def bind_local_device(device, env: MutableMapping[str, str]) -> None:
+    """Each rank of a node on its own GPU (`local_device_index`), before the process group
+    exists. DeepSpeed binds `cuda:LOCAL_RANK` itself (deepspeed/comm/torch.py device_id,
+    engine `_set_distributed_vars`, ZeRO 3's `Init`): LOCAL_RANK is set to the same index
+    (it differs from the launcher's only under srun, whose SLURM_LOCALID stays)."""
+    if device.type != "cuda":
+        return
+    import torch
+
+    index = local_device_index(env, torch.cuda.device_count())
+    env["LOCAL_RANK"] = str(index)
+    torch.cuda.set_device(index)
 
 
 def rank_environment() -> None:
@@ -30,17 +92,25 @@ def rank_environment() -> None:
     if os.environ["WORLD_SIZE"] != "1" and not (
         os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
     ):
+        from .config import ConfigError
+
         raise ConfigError(
             "running under SLURM with several tasks but MASTER_ADDR / MASTER_PORT are "
             "unset: launch with launch/slurm/train.sbatch or export them"
         )
 
 
-def init_distributed(device: torch.device, timeout_minutes: float) -> tuple[int, int]:
+def init_distributed(device, timeout_minutes: float) -> tuple[int, int]:
     """(rank, world size) after joining the process group (see `rank_environment`;
     del_megatron/rendezvous.py: the wait for the other ranks is said, stoppable, and ends
     after the timeout), whose collectives wait `timeout_minutes`
-    (parallel.collective_timeout_minutes); alone, one process."""
+    (parallel.collective_timeout_minutes); alone, one process. device: the run's
+    torch.device."""
+    import torch
+    import torch.distributed as dist
+
+    from .runtime import process_group_backend, quiet_communication_setup
+
     rank_environment()
     if "RANK" not in os.environ:
         with socket.socket() as s:
@@ -89,6 +159,9 @@ def end_distributed() -> None:
     import sys
     import time
 
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
     parallel_state.destroy_model_parallel()
     if "deepspeed.utils.groups" in sys.modules:
         sys.modules["deepspeed.utils.groups"]._WORLD_GROUP = None
@@ -115,6 +188,8 @@ def init_model_parallel(
     by default for its own distributed optimizer and checkpointing, which this run does not
     use, and each is a full mesh over the host name's interface at start (the
     GLOO_SOCKET_IFNAME hang of collectives.py's decision)."""
+    from megatron.core import parallel_state
+
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -131,16 +206,17 @@ class MegatronMPU:
     tensor parallel here (no pipeline); megatron-core 0.16 lacks the get_model_parallel_*
     names DeepSpeed also calls."""
 
-    get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
-    get_tensor_model_parallel_world_size = staticmethod(
-        parallel_state.get_tensor_model_parallel_world_size
-    )
-    get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
-    get_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
-    get_model_parallel_world_size = staticmethod(
-        parallel_state.get_tensor_model_parallel_world_size
-    )
-    get_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
-    get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
-    get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
-    get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
+    def __init__(self) -> None:
+        from megatron.core import parallel_state
+
+        self.get_tensor_model_parallel_rank = parallel_state.get_tensor_model_parallel_rank
+        self.get_tensor_model_parallel_world_size = (
+            parallel_state.get_tensor_model_parallel_world_size
+        )
+        self.get_tensor_model_parallel_group = parallel_state.get_tensor_model_parallel_group
+        self.get_model_parallel_rank = parallel_state.get_tensor_model_parallel_rank
+        self.get_model_parallel_world_size = parallel_state.get_tensor_model_parallel_world_size
+        self.get_model_parallel_group = parallel_state.get_tensor_model_parallel_group
+        self.get_data_parallel_rank = parallel_state.get_data_parallel_rank
+        self.get_data_parallel_world_size = parallel_state.get_data_parallel_world_size
+        self.get_data_parallel_group = parallel_state.get_data_parallel_group

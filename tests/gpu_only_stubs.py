@@ -34,7 +34,7 @@ MEGATRON_FIRST = (
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
     "megatron.core.dist_checkpointing",
-    "del_megatron.models.device",
+    "del_megatron.models.spec",
 )
 
 

@@ -95,13 +95,13 @@ def model_provider(model_builder, pre_process=True, post_process=True, vp_stage=
 
 
 def cpu_spec():
-    from del_megatron.models.device import gpt_layer_spec
+    from del_megatron.models.spec import gpt_layer_spec
 
     return gpt_layer_spec(CPU)
 
 
 def on_cpu(models: list) -> list:
-    from del_megatron.models.device import apply_device_shims
+    from del_megatron.models.spec import apply_device_shims
 
     return [apply_device_shims(m, CPU) for m in models]
 
@@ -194,7 +194,7 @@ def megatron_bridge_pretrain(config, forward_step_func) -> None:
     )
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from del_megatron.models.device import FUSION_FLAGS
+    from del_megatron.models.spec import FUSION_FLAGS
     from tests.megatron_cpu import MEGATRON_BRIDGE, run_megatron_on_cpu, tensor_cuda_stays
 
     model = config.model

@@ -41,7 +41,7 @@ def test_dry_run_prints_resolved_config_and_layout(valid, capsys, monkeypatch):
     assert layout["data_parallel"] == 2 and layout["tensor_parallel"] == 2
     assert layout["gradient_accumulation"] == 1
     assert yaml.safe_load(out.split("# layout", 1)[0])["optim"]["lr"] == 1e-3
-    # which of megatron's fusions are on, and why (models/device.choose_fusions)
+    # which of megatron's fusions are on, and why (models/spec.choose_fusions)
     assert "# fusions: bias_activation_fusion off: cpu: megatron's fusions are CUDA" in out
 
 

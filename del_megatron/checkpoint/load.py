@@ -4,10 +4,10 @@ contents verified, then the load itself: the model's and optimizer's state throu
 engine's adapter (the layout-free state) or DeepSpeed's own, the schedule, the RNG and the
 loader's position.
 
-A layout is (engine, tensor parallel, pipeline parallel, virtual stages, data parallel, ZeRO
-stage). The layout-free state serves every layout; DeepSpeed's own state (written before the
-layout-free state was the one copy, or with train.layout_free_checkpoints=false) only its
-own, and the deepspeed engine alone.
+A layout is layout.Layout (engine, tensor parallel, pipeline parallel, virtual stages, data
+parallel, ZeRO stage). The layout-free state serves every layout; an engine's own state
+(DeepSpeed's, written before the layout-free state was the one copy, or with
+train.layout_free_checkpoints=false) only its own, and that engine alone.
 """
 
 from __future__ import annotations
@@ -20,99 +20,32 @@ from typing import Any
 import torch
 
 from .. import collectives
-from ..data import StreamingLoader
 from ..errors import one_line
 from . import files, optim_format, optim_state
 from .directory import DATA_STATE, CheckpointError, data_state
-from .engines import adapter_of
-from .engines import deepspeed as deepspeed_engine
+from .layout import Layout, Place
+from .native import has_native_state, native_files
+from .parts import Parts
 from .rng import derived_seed, seed_rng, set_rng_state
 
 
-def saved_layout(meta: dict[str, Any]) -> dict[str, Any]:
-    """The parallel layout a checkpoint was saved at (zero_stage None: saved before it was
-    recorded, or by the megatron engine; no engine or pipeline recorded: the deepspeed
-    engine's single stage, all there was)."""
-    return {
-        "engine": meta.get("engine", "deepspeed"),
-        "tensor_parallel": meta.get("tensor_parallel"),
-        "pipeline_parallel": meta.get("pipeline_parallel", 1),
-        "virtual_pipeline_parallel": meta.get("virtual_pipeline_parallel"),
-        "data_parallel": meta.get("data_parallel"),
-        "zero_stage": meta.get("zero_stage"),
-    }
-
-
-def run_layout(cfg: Any, world: int) -> dict[str, Any]:
-    deepspeed = cfg.train.engine == "deepspeed"
-    return {
-        "engine": cfg.train.engine,
-        "tensor_parallel": cfg.parallel.tensor_parallel,
-        "pipeline_parallel": cfg.parallel.pipeline_parallel,
-        "virtual_pipeline_parallel": cfg.parallel.virtual_pipeline_parallel,
-        "data_parallel": cfg.data_parallel_size(world),
-        "zero_stage": cfg.parallel.zero_stage if deepspeed else None,
-    }
-
-
-def changed(saved: dict[str, Any], wanted: dict[str, Any]) -> bool:
-    """Whether `wanted` is another layout than the saved one, which DeepSpeed's per-rank
-    state cannot serve (an unrecorded ZeRO stage is taken as unchanged: DeepSpeed itself then
-    says whether its state loads)."""
-    return any(
-        saved[key] != wanted[key] for key in wanted if saved[key] is not None or key != "zero_stage"
-    )
-
-
-def same_positions(saved: dict[str, Any], wanted: dict[str, Any]) -> bool:
-    """Whether every rank has the same place in the model as when saved (its generators'
-    states then are its own): the same tensor, pipeline and data-parallel sizes."""
-    keys = ("tensor_parallel", "pipeline_parallel", "virtual_pipeline_parallel", "data_parallel")
-    return all(saved[k] == wanted[k] for k in keys)
-
-
-def describe(layout: dict[str, Any]) -> str:
-    zero = "" if layout["zero_stage"] is None else f", ZeRO {layout['zero_stage']}"
-    stages = ""
-    if layout.get("pipeline_parallel", 1) > 1:
-        stages = f" x pipeline parallel {layout['pipeline_parallel']}"
-        if layout.get("virtual_pipeline_parallel"):
-            stages += f" ({layout['virtual_pipeline_parallel']} virtual)"
-    engine = "" if layout.get("engine", "deepspeed") == "deepspeed" else " (megatron engine)"
-    return (
-        f"tensor parallel {layout['tensor_parallel']}{stages} x data parallel "
-        f"{layout['data_parallel']}{zero}{engine}"
-    )
-
-
-def how_to_run(layout: dict[str, Any], world: Any, engine: str) -> str:
-    """The overrides of the saved `layout` for a run now on `engine` (named when it differs:
-    DeepSpeed's own state is the deepspeed engine's)."""
-    zero = "" if layout["zero_stage"] is None else f" parallel.zero_stage={layout['zero_stage']}"
-    other = "" if layout["engine"] == engine else f"train.engine={layout['engine']} "
-    return f"{other}parallel.tensor_parallel={layout['tensor_parallel']}{zero} on {world} processes"
-
-
-def has_deepspeed_state(path: Path) -> bool:
-    """Whether the checkpoint holds DeepSpeed's own state (written before the layout-free
-    state became the one copy, or with train.layout_free_checkpoints=false)."""
-    return (path / deepspeed_engine.TAG).is_dir()
-
-
-def reads_layout_free(path: Path, saved: dict[str, Any], wanted: dict[str, Any]) -> bool:
+def reads_layout_free(path: Path, saved: Layout, wanted: Layout) -> bool:
     """Whether a resume at `wanted` reads the layout-free state: at another layout, and at
     the saved one when it is the checkpoint's only optimizer state (DeepSpeed's, where
     written, is read at its own layout: the checkpoints written before the layout-free state
     was the one copy, or with train.layout_free_checkpoints=false)."""
-    if changed(saved, wanted):
+    if wanted.differs_from(saved):
         return True
-    return optim_format.has_state(path) and not has_deepspeed_state(path)
+    return optim_format.has_state(path) and not has_native_state(path)
 
 
-def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
-    """A checkpoint this run can resume from, before anything is loaded (preflight runs it
-    too): its metadata, tokenizer, layout (another one needs the layout-free state) and
-    architecture, and the files DeepSpeed does not check. Returns meta.json;
+def check(
+    path: Path, wanted: Layout, fingerprint: str, architecture: dict[str, Any], world: int
+) -> dict[str, Any]:
+    """A checkpoint a run at layout `wanted` on `world` ranks can resume from, before
+    anything is loaded (the start-up checks run it too): its metadata, tokenizer
+    (`fingerprint`), layout (another one needs the layout-free state) and architecture (the
+    run's model record as JSON), and the files DeepSpeed does not check. Returns meta.json;
     CheckpointError names the first problem."""
     try:
         meta = json.loads((path / "meta.json").read_text())
@@ -121,13 +54,13 @@ def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
         raise CheckpointError(f"{path}/meta.json: unreadable ({one_line(err)})") from None
     if meta.get("tokenizer") != fingerprint:
         raise CheckpointError(f"{path}: saved with another tokenizer than data.tokenizer")
-    saved, wanted = saved_layout(meta), run_layout(cfg, world)
-    if changed(saved, wanted):
+    saved = Layout.saved(meta)
+    if wanted.differs_from(saved):
         if not optim_format.has_state(path):
             raise CheckpointError(
-                f"{path}: saved at {describe(saved)} without the layout-free state (optim/), "
-                f"this run is at {describe(wanted)}: resume at the saved layout "
-                f"({how_to_run(saved, meta.get('world_size'), wanted['engine'])})"
+                f"{path}: saved at {saved.describe()} without the layout-free state (optim/), "
+                f"this run is at {wanted.describe()}: resume at the saved layout "
+                f"({saved.how_to_run(meta.get('world_size'), wanted.engine)})"
             )
         try:
             optim_format.read_index(path)
@@ -135,13 +68,13 @@ def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
             raise CheckpointError(str(err)) from None
     arch_path = path / "model" / "arch.json"
     try:
-        saved = json.loads(arch_path.read_text())
+        saved_arch = json.loads(arch_path.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{arch_path}: unreadable ({one_line(err)})") from None
-    for name, value in cfg.model.model_dump(mode="json").items():
-        if name in saved and saved[name] != value:
+    for name, value in architecture.items():
+        if name in saved_arch and saved_arch[name] != value:
             raise CheckpointError(
-                f"{path}: saved with model.{name}={saved[name]}, this run has {value} "
+                f"{path}: saved with model.{name}={saved_arch[name]}, this run has {value} "
                 "(another architecture)"
             )
     loader_state = data_state(path)
@@ -156,7 +89,7 @@ def check(path: Path, cfg: Any, fingerprint: str, world: int) -> dict[str, Any]:
             rng = path / "rng" / f"rank{rank:05d}.pt"
             if not rng.is_file():
                 raise CheckpointError(f"{rng}: missing")
-    check_load_files(path, meta, reads_layout_free(path, saved_layout(meta), wanted))
+    check_load_files(path, meta, reads_layout_free(path, saved, wanted))
     meta["step"] = step
     return meta
 
@@ -168,74 +101,84 @@ def check_load_files(path: Path, meta: dict[str, Any], layout_free_state: bool) 
         if layout_free_state:
             needed = optim_format.layout_free_files(optim_format.read_index(path))
         else:
-            needed = deepspeed_engine.native_files(meta)
+            needed = native_files(meta)
         files.check_files(path, needed)
     except (files.ChecksumError, optim_format.LayoutFreeError) as err:
         raise CheckpointError(str(err)) from None
 
 
-def verify_contents(run: Any, path: Path) -> None:
+def verify_contents(place: Place, path: Path) -> None:
     """The checkpoint's files against their checksums, each rank hashing its share; the
     outcome agreed, so a corrupted file is refused on every rank."""
-    found = files.verify_share(path, run.rank, run.world)
+    found = files.verify_share(path, place.rank, place.world)
     problems = [p for p in collectives.all_gather_object(found) if p]
     if problems:
         raise CheckpointError(problems[0])
 
 
-def load(run: Any, path: Path, loader: StreamingLoader | None) -> int:
-    """Restore model, optimizer, scheduler, RNG and this rank's loader; returns the step."""
-    meta = check(path, run.cfg, run.tokenizer.fingerprint, run.world)
-    verify_contents(run, path)
-    saved, wanted = saved_layout(meta), run_layout(run.cfg, run.world)
+def load(
+    parts: Parts,
+    path: Path,
+    loader: Any | None,
+    *,
+    fingerprint: str,
+    architecture: dict[str, Any],
+    seed: int,
+) -> int:
+    """Restore model, optimizer, scheduler, RNG and this rank's loader (its `resume`; None:
+    no data); returns the step. fingerprint and architecture: as `check` takes them; seed:
+    the run's, from which a rank at another place than any saved one draws
+    (`rng.derived_seed`)."""
+    place, wanted = parts.place, parts.layout
+    meta = check(path, wanted, fingerprint, architecture, place.world)
+    verify_contents(place, path)
+    saved = Layout.saved(meta)
     if reads_layout_free(path, saved, wanted):
-        _load_layout_free(run, path)
+        _load_layout_free(parts, path)
     else:
-        deepspeed_engine.native_load(run.engine, path)
-    if changed(saved, wanted):
-        if run.is_main:
+        parts.native.load(path)
+    if wanted.differs_from(saved):
+        if place.is_main:
             print(
-                f"resuming at {describe(wanted)} (saved at {describe(saved)}): fp32 weights, "
+                f"resuming at {wanted.describe()} (saved at {saved.describe()}): fp32 weights, "
                 "Adam moments and steps and the schedule restored from the layout-free state",
                 flush=True,
             )
-    if not same_positions(saved, wanted):
-        seed_rng(derived_seed(run.cfg.train.seed, int(meta["step"]), run.dp_rank), run.device)
-    elif meta.get("world_size") == run.world:
-        rng_path = path / "rng" / f"rank{run.rank:05d}.pt"
+    if not wanted.same_positions(saved):
+        seed_rng(derived_seed(seed, int(meta["step"]), place.dp_rank), parts.device)
+    elif meta.get("world_size") == place.world:
+        rng_path = path / "rng" / f"rank{place.rank:05d}.pt"
         try:
             # RNG states are host byte tensors whatever the device (map_location: a state
             # file never lands on a GPU the loading rank may not have)
             rng = torch.load(rng_path, weights_only=True, map_location="cpu")
-            set_rng_state(rng, run.device)
+            set_rng_state(rng, parts.device)
         except (OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError) as err:
             raise CheckpointError(f"{rng_path}: unreadable ({one_line(err)[:200]})") from None
     if loader is not None:
         message = loader.resume(data_state(path))  # any layout and mix: what changed, a line
-        if message and run.is_main:
+        if message and place.is_main:
             print(message, flush=True)
     return int(meta["step"])
 
 
-def _load_layout_free(run: Any, path: Path) -> None:
+def _load_layout_free(parts: Parts, path: Path) -> None:
     """Masters, moments and steps from optim/ (at any layout, the saved one included) through
     the engine's adapter, the model's weights from the masters, the schedule and the
     engine's counters from the index."""
-    from megatron.core import parallel_state
-
-    adapter = adapter_of(run)
     index = optim_state.load(
-        adapter,
+        parts.adapter,
         path,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        tp_size=run.cfg.parallel.tensor_parallel,
-        vocab_size=run.cfg.model.vocab_size,
+        tp_rank=parts.place.tp_rank,
+        tp_size=parts.layout.tensor_parallel,
+        vocab_size=parts.vocab_size,
     )
     # the schedule's position, set rather than stepped to: LambdaLR's rate is a function of
     # it alone, and non-finite steps (which skip the schedule) are counted in it; through
     # the scheduler's own state dict, then one step to recompute the rates
-    schedule = run.scheduler.state_dict()
+    scheduler = parts.scheduler
+    schedule = scheduler.state_dict()
     schedule["last_epoch"] = int(index["scheduler_last_epoch"]) - 1
-    run.scheduler.load_state_dict(schedule)
-    run.scheduler.step()
-    adapter.set_counters(index)
+    scheduler.load_state_dict(schedule)
+    scheduler.step()
+    parts.adapter.set_counters(index)

@@ -3,7 +3,7 @@ master weight and both Adam moments of each tensor-parallel shard, stored as the
 ranges the saving ranks' optimizers held, and Adam's step count, so that a run at any
 layout (engine, tensor, pipeline and data parallel, ZeRO stage, accumulation) can load it
 (format: docs/checkpoints.md, "Layout-free state"). How an engine's optimizer holds these
-ranges is its adapter's (checkpoint/engines/); what a rank saves and loads through it is
+ranges is its adapter's (checkpoint/adapter.py); what a rank saves and loads through it is
 optim_state.py's.
 
 ```

@@ -1,5 +1,5 @@
 """A rank's part of the layout-free optimizer state (format: optim_format.py), saved from and
-loaded into its engine's optimizer through the engine's adapter (checkpoint/engines/).
+loaded into its engine's optimizer through the engine's adapter (checkpoint/adapter.py).
 
 Saving copies each rank's own ranges to the host (`snapshot`: no collective; one gather of
 the fragment table for the index), then streams them into its file behind training
@@ -19,7 +19,7 @@ import torch
 
 from ..models.hf_tensors import canonical
 from ..models.sharding import partition_of_param
-from .engines import Adapter
+from .adapter import Adapter
 from .optim_format import (
     BUFFER,
     FORMAT,

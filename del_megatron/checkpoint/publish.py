@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from .. import collectives
 from ..checksums import INDEX
@@ -15,10 +14,11 @@ from ..errors import one_line
 from ..outputs import free_bytes, is_no_space, no_space
 from . import files, writer
 from .directory import TMP_PREFIX, CheckpointError, complete_checkpoints
+from .layout import Place
 from .save import PendingSave, being_freed
 
 
-def publish(run: Any, pending: PendingSave, *, run_ends: bool = False) -> Path:
+def publish(place: Place, pending: PendingSave, *, run_ends: bool = False) -> Path:
     """Wait for this rank's writer, agree that every rank's files are written, then write
     files.json and rename `.tmp-step-N` to `step-N` (rank 0), both flushed to the disk, and
     drop the checkpoints beyond the newest `keep` (deleted behind training unless
@@ -37,8 +37,8 @@ def publish(run: Any, pending: PendingSave, *, run_ends: bool = False) -> Path:
             raise failure
         raise CheckpointError(problems[0])
     try:  # its gathers come first, then rank 0 writes files.json: a full disk meets that
-        files.write_index(pending.tmp, entries, run.rank, run.world)
-        if run.is_main:
+        files.write_index(pending.tmp, entries, place.rank, place.world)
+        if place.is_main:
             _rename_and_prune(pending, background=pending.background and not run_ends)
     except Exception as err:
         if not _is_io_failure(err):

@@ -32,7 +32,7 @@ def derived_seed(seed: int, step: int, dp_rank: int) -> int:
 
 
 def seed_rng(seed: int, device: torch.device) -> None:
-    from ..models.device import seed_rngs
+    from ..runtime import seed_rngs
 
     seed_rngs(seed, cuda_tracker=device.type == "cuda")
 

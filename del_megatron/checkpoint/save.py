@@ -21,38 +21,14 @@ from typing import Any
 import torch
 
 from .. import collectives
-from ..config import dump_run_config
-from ..data import StreamingLoader
 from ..data.state import rank_record, saved_file
 from ..outputs import free_bytes, is_no_space, no_space
-from ..training import schedule as schedule_file
 from . import optim_state, writer
-from .directory import (
-    DATA_STATE,
-    PREFIX,
-    TMP_PREFIX,
-    CheckpointError,
-    complete_checkpoints,
-    root_of,
-)
-from .engines import Adapter, adapter_of
-from .engines.deepspeed import TAG as NATIVE
+from .directory import DATA_STATE, PREFIX, TMP_PREFIX, CheckpointError, complete_checkpoints
+from .native import TAG as NATIVE
 from .optim_format import OPTIM
+from .parts import Parts, Record
 from .rng import rng_state
-
-
-def _versions() -> dict[str, str]:
-    import deepspeed
-    import megatron.core
-
-    from .. import __version__
-
-    return {
-        "del_megatron": __version__,
-        "torch": torch.__version__,
-        "megatron_core": megatron.core.__version__,
-        "deepspeed": deepspeed.__version__,
-    }
 
 
 @dataclass
@@ -69,25 +45,45 @@ class PendingSave:
     waited_s: float  # what `save` took on the training thread
 
 
-def save(run: Any, step: int, loader: StreamingLoader | None, *, keep: int) -> PendingSave:
-    """Start the checkpoint of step `step` (every rank; the one before it published first):
-    this rank's part of the state is copied to host memory and its files are written behind
-    training when train.background_checkpoints (else now); `publish` completes it, and keeps
-    the newest `keep`. A disk without room for it is one line on every rank
+def save(
+    parts: Parts,
+    root: Path,
+    step: int,
+    loader: Any | None,
+    *,
+    record: Record,
+    counters: dict[str, int],
+    keep: int,
+    layout_free: bool = True,
+    background: bool = True,
+) -> PendingSave:
+    """Start the checkpoint of step `step` under `root` (checkpoints/; every rank, the one
+    before it published first): this rank's part of the state is copied to host memory and
+    its files are written behind training when `background` (else now); `publish` completes
+    it, and keeps the newest `keep`. loader: the data loader whose `state_dict()` is saved
+    (None: no data state); counters: the engine's counters for the optimizer index
+    (`Adapter.counters`); layout_free: the layout-free optimizer state, else the engine's own
+    (`parts.native`, written now). A disk without room for it is one line on every rank
     (CheckpointError: exit status 2), checked before the first byte is written; a disk that
     fills during the write anyway is one line too, at `publish`."""
     started = time.perf_counter()
-    root = root_of(run.cfg.output_dir)
-    needed = check_space(run, root)
+    needed = check_space(parts, root, layout_free)
+    name = f"{PREFIX}{step:07d}"
+    tmp, final = root / (TMP_PREFIX + name), root / name
     try:
-        return _start(run, step, loader, keep=keep, needed=needed, started=started)
+        directories, jobs, background = _jobs(
+            parts, tmp, step, loader, record, counters, layout_free, background
+        )
+        writing = writer.start(jobs, directories, background=background)
     except Exception as err:  # torch.save and DeepSpeed wrap the OSError in RuntimeError
         if is_no_space(err):
             raise CheckpointError(str(no_space(root, needed))) from None
         raise
+    waited = time.perf_counter() - started
+    return PendingSave(tmp, final, keep, needed, writing, background, waited)
 
 
-def bytes_needed(run: Any, root: Path) -> int:
+def bytes_needed(parts: Parts, root: Path, layout_free: bool) -> int:
     """The bytes one more checkpoint takes: the newest complete one's size, else a lower
     bound from the parameter count (weights in the training dtype, and the fp32 master and
     two moments: 12 bytes in the layout-free state, 16 in DeepSpeed's own, which holds the
@@ -95,9 +91,9 @@ def bytes_needed(run: Any, root: Path) -> int:
     found = complete_checkpoints(root)
     if found:
         return sum(p.stat().st_size for p in found[-1].rglob("*") if p.is_file())
-    count, size = adapter_of(run).state_bytes()
-    count *= run.cfg.parallel.tensor_parallel
-    per = size + (12 if run.cfg.train.layout_free_checkpoints else 16)
+    count, size = parts.adapter.state_bytes()
+    count *= parts.layout.tensor_parallel
+    per = size + (12 if layout_free else 16)
     return count * per
 
 
@@ -115,12 +111,12 @@ def being_freed(root: Path) -> int:
     return total
 
 
-def check_space(run: Any, root: Path) -> int:
+def check_space(parts: Parts, root: Path, layout_free: bool) -> int:
     """Refuse a save the disk has no room for, on every rank (rank 0 looks, all agree);
     returns the bytes needed."""
-    needed = bytes_needed(run, root)
+    needed = bytes_needed(parts, root, layout_free)
     refusal = None
-    if run.is_main and free_bytes(root) + being_freed(root) < needed:
+    if parts.place.is_main and free_bytes(root) + being_freed(root) < needed:
         refusal = str(no_space(root, needed))
     refusal = collectives.all_gather_object(refusal)[0]
     if refusal:
@@ -128,65 +124,46 @@ def check_space(run: Any, root: Path) -> int:
     return needed
 
 
-def _start(
-    run: Any, step: int, loader: StreamingLoader | None, *, keep: int, needed: int, started: float
-) -> PendingSave:
+def _jobs(
+    parts: Parts,
+    tmp: Path,
+    step: int,
+    loader: Any | None,
+    record: Record,
+    counters: dict[str, int],
+    layout_free: bool,
+    background: bool,
+) -> tuple[list[Path], list[writer.Job], bool]:
     """The training thread's half of a save: every collective, and a host copy of what this
-    rank writes; the files are written by the returned save's writer."""
-    root = root_of(run.cfg.output_dir)
-    name = f"{PREFIX}{step:07d}"
-    tmp, final = root / (TMP_PREFIX + name), root / name
-    if run.is_main:
+    rank writes, as the writer's jobs, under the staging directory `tmp`: (the directories
+    they write; the jobs; whether they are written behind training)."""
+    if parts.place.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     collectives.barrier()
     (tmp / "rng").mkdir(exist_ok=True)
-    # one copy of the optimizer state: the layout-free one (read at every layout), or with
-    # train.layout_free_checkpoints=false DeepSpeed's own (read at the saved layout only),
-    # which DeepSpeed writes now: such a save is not written behind training
-    background = run.cfg.train.background_checkpoints
-    adapter = adapter_of(run)
-    if run.cfg.train.layout_free_checkpoints:
-        jobs = [_layout_free_job(run, adapter, tmp, step)]
-    else:  # the config allows it with the deepspeed engine only
-        from .engines import deepspeed
-
-        jobs, background = [deepspeed.native_save(run.engine, tmp, step)], False
+    # one copy of the optimizer state: the layout-free one (read at every layout), or the
+    # engine's own (read at the saved layout only), which the engine writes now: such a save
+    # is not written behind training
+    if layout_free:
+        jobs = [_layout_free_job(parts, tmp, counters)]
+    else:  # the config allows it with an engine that has a state of its own only
+        jobs, background = [parts.native.save_job(tmp, step)], False
     jobs += [
-        _weights_job(run, adapter, tmp),
-        _rng_job(run, tmp),
-        _data_state_job(run, tmp, loader),
+        _weights_job(parts, tmp, record),
+        _rng_job(parts, tmp),
+        _data_state_job(parts, tmp, loader),
     ]
-    if run.is_main:
-        jobs.append(_record_job(run, tmp, step))
+    if parts.place.is_main:
+        jobs.append(_record_job(parts, tmp, step, record))
     directories = [tmp, tmp / OPTIM, tmp / "model", tmp / "rng", tmp / NATIVE]
-    writing = writer.start(
-        [job for job in jobs if job is not None], directories, background=background
-    )
-    waited = time.perf_counter() - started
-    return PendingSave(tmp, final, keep, needed, writing, background, waited)
+    return directories, [job for job in jobs if job is not None], background
 
 
-def _record_job(run: Any, directory: Path, step: int) -> writer.Job:
-    """meta.json, run_config.yaml and the schedule (rank 0), as text now."""
-    meta = {
-        "step": step,
-        "world_size": run.world,
-        "data_parallel": run.dp_size,
-        "tensor_parallel": run.cfg.parallel.tensor_parallel,
-        "pipeline_parallel": run.cfg.parallel.pipeline_parallel,
-        "virtual_pipeline_parallel": run.cfg.parallel.virtual_pipeline_parallel,
-        "engine": run.cfg.train.engine,
-        # ZeRO is the deepspeed engine's (megatron's engine: its distributed optimizer)
-        "zero_stage": run.cfg.parallel.zero_stage if run.cfg.train.engine == "deepspeed" else None,
-        "layout_free": run.cfg.train.layout_free_checkpoints,
-        "tokens": step * run.cfg.train.global_batch_size * run.cfg.train.seq_len,
-        "tokenizer": run.tokenizer.fingerprint,
-        "versions": _versions(),
-    }
-    texts = {"run_config.yaml": dump_run_config(run.cfg), "meta.json": json.dumps(meta, indent=1)}
-    if run.schedule is not None:  # a resume follows the same function (training/schedule.py)
-        texts[schedule_file.FILE] = run.schedule.text()
+def _record_job(parts: Parts, directory: Path, step: int, record: Record) -> writer.Job:
+    """meta.json and the record's text files (rank 0), as text now."""
+    meta = {"step": step, "world_size": parts.place.world, **parts.layout.meta(), **record.meta}
+    texts = {**record.texts, "meta.json": json.dumps(meta, indent=1)}
 
     def write() -> dict[str, dict[str, Any]]:
         entries = {}
@@ -198,10 +175,10 @@ def _record_job(run: Any, directory: Path, step: int) -> writer.Job:
     return write
 
 
-def _rng_job(run: Any, directory: Path) -> writer.Job:
+def _rng_job(parts: Parts, directory: Path) -> writer.Job:
     """rng/rankNNNNN.pt: this rank's generators as they are now."""
-    state = rng_state(run.device)
-    relative = f"rng/rank{run.rank:05d}.pt"
+    state = rng_state(parts.device)
+    relative = f"rng/rank{parts.place.rank:05d}.pt"
 
     def write() -> dict[str, dict[str, Any]]:
         torch.save(state, directory / relative)
@@ -210,30 +187,28 @@ def _rng_job(run: Any, directory: Path) -> writer.Job:
     return write
 
 
-def _weights_job(run: Any, adapter: Adapter, directory: Path) -> writer.Job | None:
+def _weights_job(parts: Parts, directory: Path, record: Record) -> writer.Job | None:
     """model/tpNN.safetensors (tpNN-ppKK.safetensors: stage KK's, at pipeline parallel > 1)
     from data-parallel rank 0 of each tensor-parallel rank (and stage), in the training
     dtype with canonical (local-spec) names, layers by their global number, arch.json and
     the tokenizer: what del-convert megatron-to-hf and init.megatron read, safe to load
     (safetensors, no pickle). The host copy is taken now (under ZeRO 3 a gather every
     data-parallel rank joins)."""
-    from megatron.core import parallel_state
-
     from ..models.weight_files import WEIGHTS, rank_file, write_rank_weights, write_weights_record
 
-    weights = adapter.host_weights(run.dp_rank == 0)
-    if run.dp_rank != 0:
+    place, adapter = parts.place, parts.adapter
+    weights = adapter.host_weights(place.writes_weights)
+    if not place.writes_weights:
         return None
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tokenizer = run.cfg.tokenizer_path() if run.is_main else None
+    tokenizer = record.tokenizer if place.is_main else None
 
     def write() -> dict[str, dict[str, Any]]:
         out = directory / WEIGHTS
         out.mkdir(exist_ok=True)
-        written = [f"{WEIGHTS}/{rank_file(tp_rank, adapter.pp_rank)}"]
-        write_rank_weights(out, tp_rank, weights, stage=adapter.pp_rank)
-        if run.is_main:
-            write_weights_record(out, run.cfg.model, tokenizer)
+        written = [f"{WEIGHTS}/{rank_file(place.tp_rank, adapter.pp_rank)}"]
+        write_rank_weights(out, place.tp_rank, weights, stage=adapter.pp_rank)
+        if place.is_main:
+            write_weights_record(out, record.architecture, tokenizer)
             written.append(f"{WEIGHTS}/arch.json")
             if tokenizer is not None:
                 written.append(f"{WEIGHTS}/{Path(tokenizer).name}")
@@ -245,30 +220,28 @@ def _weights_job(run: Any, adapter: Adapter, directory: Path) -> writer.Job | No
     return write
 
 
-def _layout_free_job(run: Any, adapter: Adapter, directory: Path, step: int) -> writer.Job:
+def _layout_free_job(parts: Parts, directory: Path, counters: dict[str, int]) -> writer.Job:
     """optim/: this rank's part of the layout-free state (optim_state.py), copied to the host
     now; the job writes it and returns its files' sizes and checksums."""
-    from megatron.core import parallel_state
-
-    counters = adapter.counters(step, step * run.cfg.train.global_batch_size, run.nonfinite_total)
+    layout, place = parts.layout, parts.place
     return optim_state.save_job(
-        adapter,
+        parts.adapter,
         directory,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        tp_size=run.cfg.parallel.tensor_parallel,
-        dp_rank=run.dp_rank,
-        dp_size=run.dp_size,
-        pp_size=run.cfg.parallel.pipeline_parallel,
-        vocab_size=run.cfg.model.vocab_size,
+        tp_rank=place.tp_rank,
+        tp_size=layout.tensor_parallel,
+        dp_rank=place.dp_rank,
+        dp_size=layout.data_parallel,
+        pp_size=layout.pipeline_parallel,
+        vocab_size=parts.vocab_size,
         extra={
-            "zero_stage": run.cfg.parallel.zero_stage,
-            "scheduler_last_epoch": int(run.scheduler.last_epoch),
+            "zero_stage": layout.zero_stage,
+            "scheduler_last_epoch": int(parts.scheduler.last_epoch),
             **counters,
         },
     )
 
 
-def _data_state_job(run: Any, directory: Path, loader: StreamingLoader | None) -> writer.Job | None:
+def _data_state_job(parts: Parts, directory: Path, loader: Any | None) -> writer.Job | None:
     """data_state.json (data/state.py's saved_file): the segment with its taken sets once, from
     data-parallel rank 0 (global rank 0, which writes the file), and one record per
     data-parallel rank, gathered to it now from the first tensor-parallel rank of each (its
@@ -276,17 +249,14 @@ def _data_state_job(run: Any, directory: Path, loader: StreamingLoader | None) -
     data-parallel size, not the tensor-parallel one, and no rank but the writer receives
     any. At pipeline parallel > 1 the first stage's ranks send (every stage reads the same
     batches)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_tensor_model_parallel_rank() != 0:
-        return None
-    if parallel_state.get_pipeline_model_parallel_rank() != 0:
+    place = parts.place
+    if not place.writes_data_state:
         return None
     state = loader.state_dict() if loader is not None else None
     records = collectives.gather_object(
-        rank_record(state) if state is not None else None, group=run.dp_group
+        rank_record(state) if state is not None else None, group=place.dp_group
     )
-    if not run.is_main:
+    if not place.is_main:
         return None
     text = json.dumps(saved_file(state, records or []))
 

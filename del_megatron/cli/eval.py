@@ -22,12 +22,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..arguments import non_negative_int, positive_int, progress_bars
 from ..caches import use_writable_caches
 from ..errors import INTERRUPTED, UserError
 from ..evaluation.generation import DEFAULT_TEMPLATE, GenerationSettings
 from ..evaluation.harness import LmEvalSettings
 from ..evaluation.heldout import DEFAULT_WINDOW, HeldoutSettings
-from ..arguments import non_negative_int, positive_int, progress_bars
 from .groups import ended_on_return
 
 if TYPE_CHECKING:  # torch is imported when a model is evaluated: --help answers at once
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # torch is imported when a model is evaluated: --help answers
 
 
 def _device(requested: str) -> torch.device:
-    from ..models.device import resolve_device
+    from ..runtime import resolve_device
 
     try:
         return resolve_device(requested)

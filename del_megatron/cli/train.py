@@ -16,12 +16,12 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..arguments import positive_float, positive_int
 from ..caches import use_writable_caches
 from ..config import dump_run_config, load_run_config
 from ..errors import INTERRUPTED, UserError
 from ..losses import Objective
 from ..rendezvous import StoppedWhileWaiting
-from ..arguments import positive_float, positive_int
 from .groups import ended_on_return
 
 # "Stopped on request, checkpoint saved: run me again" (sysexits.h EX_TEMPFAIL, "try again
@@ -102,13 +102,10 @@ def _cuda_available() -> bool:
 
 
 def _node_leader() -> bool:
-    """The first rank of its node: torchrun's LOCAL_RANK (it sets LOCAL_WORLD_SIZE too), else
-    SLURM's task id on the node (under srun, LOCAL_RANK names the rank's device once it is
-    bound: models/device.bind_local_device)."""
-    env = os.environ
-    if "LOCAL_WORLD_SIZE" in env or "SLURM_LOCALID" not in env:
-        return env.get("LOCAL_RANK", "0") == "0"
-    return env["SLURM_LOCALID"] == "0"
+    """The first rank of its node (parallel.first_on_node)."""
+    from ..parallel import first_on_node
+
+    return first_on_node()
 
 
 # Set by our launchers (launch/torchrun.sh): a directory where a rank that stops on a user's
@@ -173,7 +170,9 @@ def leave_user_error(message: str) -> None:
     directory = os.environ.get(USER_ERROR_DIR)
     if not directory:
         return
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    from ..parallel import launch_rank
+
+    rank = launch_rank()
     path = os.path.join(directory, f"rank-{rank}")
     try:  # written whole (rename), so the launcher never reads half a line
         with open(path + ".tmp", "w", encoding="utf-8") as file:
@@ -232,7 +231,7 @@ def _main(argv: list[str] | None) -> int:
         use_writable_caches("del-train")
         cfg = load_run_config(args.config, args.overrides)
         if args.deepspeed_json is not None:
-            from ..config import deepspeed_config
+            from ..training.engines.deepspeed import deepspeed_config
 
             gpu = cfg.train.device != "cpu"
             print(json.dumps(deepspeed_config(cfg, args.deepspeed_json, gpu=gpu), indent=2))
@@ -252,7 +251,7 @@ def _main(argv: list[str] | None) -> int:
         if args.dry_run:  # the config and the plan first: they help also when a check fails
             print(dump_run_config(cfg), end="")
             print("\n".join(f"# plan: {line}" for line in plan_lines), flush=True)
-            from ..models.device import planned_fusions
+            from ..models.spec import planned_fusions
 
             print("\n".join(f"# fusions: {line}" for line in planned_fusions(cfg.train.device)))
             device_here = cfg.train.device == "cpu" or _cuda_available()

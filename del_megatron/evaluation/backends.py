@@ -86,8 +86,8 @@ def _single_process_groups(device: torch.device) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..models.device import process_group_backend
     from ..parallel import init_model_parallel
+    from ..runtime import process_group_backend
 
     if not dist.is_initialized():
         backend = process_group_backend(device)
@@ -105,10 +105,10 @@ def load_model(path: Path, device: torch.device) -> Loaded:
 
 def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
     from ..losses import NumericLossConfig
-    from ..models.device import select_accelerator
     from ..models.llama import build_llama
     from ..models.weight_files import MegatronWeights
     from ..models.weights import load_megatron
+    from ..runtime import select_accelerator
 
     select_accelerator(device)
     weights = MegatronWeights(path)
@@ -150,7 +150,7 @@ def _load_hf(path: Path, device: torch.device) -> Loaded:
         raise UserError(f"{path}: no tokenizer.json or tokenizer.model")
     tokenizer = Tokenizer(tokenizer_path)
     check_vocabulary(_hf_vocab_size(path), tokenizer, f"{path}/config.json")
-    from ..models.device import model_dtype
+    from ..models.spec import model_dtype
 
     dtype = model_dtype(device)
     # transformers >= 4.56 names the argument dtype, earlier releases torch_dtype

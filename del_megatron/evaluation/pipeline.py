@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..models.device import batch_to_device
+from ..runtime import batch_to_device
 
 Score = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 """A batch on the compute device ({tokens, labels, loss_mask: [b, s]}) -> statistics that

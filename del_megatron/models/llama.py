@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from ..losses import DigitVocab, NumericLossConfig
+from ..runtime import seed_rngs
 from .architecture import LlamaArchitecture
-from .device import apply_device_shims, gpt_decoder_spec, seed_rngs, transformer_config_overrides
 from .gpt import NumericLossGPTModel
+from .spec import apply_device_shims, gpt_decoder_spec, transformer_config_overrides
 
 
 def transformer_config(arch: LlamaArchitecture, device: torch.device, **overrides: Any):

@@ -1,6 +1,7 @@
 """megatron-core's training engine on the CPU: what a run on `train.device=cpu` (the tiny
 config, the tests) needs of megatron's schedules, and nothing a GPU run ever calls
-(models/device.py decides by the run's device: `megatron_engine_on`).
+(the megatron engine decides by the run's device, training/engines/megatron.py
+`engine_on`; the model spec, models/spec.py `apply_device_shims`).
 
 megatron-core's pipeline schedules, its DistributedDataParallel buffers, its optimizer and
 its rerun state machine allocate a few small tensors on a hard-coded CUDA device
@@ -11,6 +12,9 @@ a view of torch whose tensor factories put a CUDA device on the CPU and whose
 `torch.cuda.current_device()` is the CPU; everything else is torch itself; and it rebinds
 megatron's gradient clip in its optimizer module to the same clip without its assertion of
 `torch.cuda.FloatTensor` gradients. Idempotent.
+
+`keep_rotary_on_cpu(model)` gives a built model's rotary embeddings a class whose
+frequencies stay on the CPU (the stock one moves them to CUDA).
 
 `tensor_cuda_stays()` is the one other shim, for code that moves a tensor with
 `tensor.cuda()` (megatron's tied embeddings on the last pipeline stage,
@@ -26,6 +30,7 @@ import types
 from typing import Any
 
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from torch.overrides import TorchFunctionMode
 
 # the megatron-core modules with hard-coded CUDA allocations on the paths the tests run
@@ -164,3 +169,24 @@ def tensor_cuda_stays():
     """Inside: `tensor.cuda(...)` is `tensor`."""
     with _CudaCallStays():
         yield
+
+
+
+class CPURotaryEmbedding(RotaryEmbedding):
+    """RotaryEmbedding whose frequencies stay on the CPU (the stock one moves them to CUDA)."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1)
+            emb = emb.view(freqs.shape[0], -1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]  # [s, 1, 1, dim]
+
+
+def keep_rotary_on_cpu(model: torch.nn.Module) -> None:
+    """Every stock RotaryEmbedding of `model` made a `CPURotaryEmbedding`. Idempotent."""
+    for module in model.modules():
+        if type(module) is RotaryEmbedding:
+            module.__class__ = CPURotaryEmbedding

@@ -1,1 +1,2 @@
-"""The training loop: megatron-core model, DeepSpeed engine, numeric loss, metrics, eval."""
+"""The training loop and what it runs: the engines (engines/), the model build, checkpoints
+from a run, metrics, schedule, the start-up checks and the memory plan."""

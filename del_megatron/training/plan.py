@@ -1,13 +1,13 @@
 """A run's memory plan per GPU, before anything is allocated: parameters, model states by ZeRO
-stage as DeepSpeed allocates them for the run's own DeepSpeed config (bf16 weights, gradients
-summed and reduced in float32: `config.deepspeed_config`), DeepSpeed's buffers, activations
-at the configured micro-batch, sequence and recompute, the logits of the loss, against the
-device. A test trains DeepSpeed's engine at every stage and counts its tensors
+stage as DeepSpeed allocates them for the run's own DeepSpeed config (bf16 weights,
+gradients summed and reduced in float32: `engines/deepspeed.deepspeed_config`), DeepSpeed's
+buffers, activations at the configured micro-batch, sequence and recompute, the logits of
+the loss, against the device. A test trains DeepSpeed's engine at every stage and counts its tensors
 (tests/distributed/test_zero_memory.py).
 
 Activations are an estimate for megatron-core's Llama layer in bf16 without sequence
 parallelism and with flash attention (no [s, s] score matrix kept: Transformer Engine's
-attention, or without it torch SDPA's fused kernels, models/device.SDPACoreAttention): per
+attention, or without it torch SDPA's fused kernels, models/attention.SDPACoreAttention): per
 layer the layer-norm inputs and outputs, q/k/v, the attention output, SwiGLU's two fc1
 outputs and the activation, i.e. 2 bytes x s x b x (4h + (q + 2kv + q + 3f) / tp). With full
 recompute a layer keeps only its input (2 s b h) and one layer's activations exist at a time.
@@ -280,58 +280,8 @@ def device_memory(assumed_gib: float | None = None) -> tuple[int, str]:
 
 def plan_run(cfg, world_size: int, *, gpu_memory_gib: float | None = None) -> Plan:
     """The plan of `cfg` at `world_size` ranks, on GPUs (bf16) whatever train.device says:
-    the question it answers is whether the run fits there."""
-    from ..config import deepspeed_config
+    the question it answers is whether the run fits there. Each engine plans its own ranks
+    (`EngineKind.memory_plan`, from the terms above)."""
+    from .engines import kind_of
 
-    if cfg.train.engine == "megatron":
-        return _plan_stages(cfg, world_size, gpu_memory_gib)
-    tp = cfg.parallel.tensor_parallel
-    dp = cfg.data_parallel_size(world_size)
-    params = count_parameters(cfg.model, tp)
-    recompute = cfg.train.activation_checkpointing
-    b, s = cfg.train.micro_batch_size, cfg.train.seq_len
-    zero = deepspeed_config(cfg, world_size, gpu=True)["zero_optimization"]
-    per_gpu = model_state_bytes(
-        rank_tensors(cfg.model, tp), params.largest_layer, dp, zero["stage"], ZeroSizes.of(zero)
-    )
-    per_gpu["activations"] = activation_bytes(cfg.model, tp, b, s, recompute, 2)
-    per_gpu["logits"] = logits_bytes(cfg.model, tp, b, s, 2)
-    per_gpu["reserve"] = RESERVE
-    per_gpu["total"] = sum(per_gpu.values())
-    memory, label = device_memory(gpu_memory_gib)
-    return Plan(params, per_gpu, memory, label)
-
-
-def _plan_stages(cfg, world_size: int, gpu_memory_gib: float | None) -> Plan:
-    """train.engine=megatron: each pipeline stage's GPU (its layers, the embedding on the
-    first, output layer and logits on the last, the activations of the micro-batches it
-    holds at once: `in_flight`), on megatron's distributed optimizer; the plan of the stage
-    that needs the most."""
-    import torch
-
-    from ..models.device import megatron_engine_choices
-
-    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
-    virtual = cfg.parallel.virtual_pipeline_parallel
-    dp = cfg.data_parallel_size(world_size)
-    micro_batches = cfg.accumulation_steps(world_size)
-    distributed = megatron_engine_choices(torch.device("cuda")).distributed_optimizer
-    b, s = cfg.train.micro_batch_size, cfg.train.seq_len
-    recompute = cfg.train.activation_checkpointing
-    plans = []
-    for stage, layers in enumerate(stage_layers(cfg)):
-        first, last = stage == 0, stage == pp - 1
-        per_gpu = megatron_state_bytes(
-            rank_tensors(cfg.model, tp, (layers, first, last)), dp, distributed
-        )
-        chunk_layers = layers // (virtual or 1)
-        held = in_flight(pp, stage, micro_batches, virtual)
-        one = activation_bytes(cfg.model, tp, b, s, recompute, 2, layers=chunk_layers)
-        per_gpu["activations"] = held * one
-        per_gpu["logits"] = logits_bytes(cfg.model, tp, b, s, 2) if last else 0
-        per_gpu["reserve"] = RESERVE
-        per_gpu["total"] = sum(per_gpu.values())
-        plans.append((per_gpu["total"], stage, per_gpu))
-    _, stage, per_gpu = max(plans, key=lambda plan: plan[0])
-    memory, label = device_memory(gpu_memory_gib)
-    return Plan(count_parameters(cfg.model, tp), per_gpu, memory, label, stage=stage)
+    return kind_of(cfg.train.engine).memory_plan(cfg, world_size, gpu_memory_gib)

@@ -12,7 +12,7 @@ from ..data import DataError
 from ..data.format import load_manifests
 from ..data.state import check_resumable
 from ..losses.vocab import TokenizerError
-from ..models.device import resolve_device
+from ..runtime import resolve_device
 from .initial_weights import open_initial_weights
 
 
@@ -39,16 +39,16 @@ def _resume_point(
     cfg: RunConfig, resume: str, fingerprint: str, world: int
 ) -> tuple[int | None, list[str]]:
     """The step a run resumes at (None: from the start) and the lines saying what the resume
-    changes (checkpoint/changes.py, which refuses what may not change); refuses a fresh
+    changes (training/resume_changes.py, which refuses what may not change); refuses a fresh
     start over another run's checkpoints, which it would mix with and prune."""
-    from ..checkpoint import changes as resume_changes
-    from ..checkpoint import directory, load
+    from ..checkpoint import directory
+    from . import checkpointing, resume_changes
 
     try:
         path = directory.resolve(resume, cfg.output_dir)
         if path is not None:
             changes = resume_changes.review(path, cfg, resume, tokenizer=fingerprint)
-            step = load.check(path, cfg, fingerprint, world)["step"]
+            step = checkpointing.check(path, cfg, fingerprint, world)["step"]
             check_resumable(
                 directory.data_state(path),
                 cfg.data_parallel_size(world),
@@ -80,7 +80,7 @@ def preflight(
     the run would make before its first step. device_here=False (a dry run on a machine
     without the run's GPUs) skips the device check and reports the device as configured."""
     world = world_size or launch_world_size()
-    dp = cfg.data_parallel_size(world)
+    cfg.data_parallel_size(world)  # refuses a world the layout does not divide
     accumulation = cfg.accumulation_steps(world)
     device_type = cfg.train.device
     if device_here:
@@ -115,18 +115,21 @@ def preflight(
             "offline, synced later with `wandb sync`)"
         )
     resumes_at, changes = _resume_point(cfg, resume, fingerprint, world)
+    from .checkpointing import layout as run_layout
+
+    layout = run_layout(cfg, world)  # the one record of a layout (checkpoint/layout.py)
     return {
         "resume_step": resumes_at,
         "resume_changes": changes,
         "world_size": world,
-        "tensor_parallel": cfg.parallel.tensor_parallel,
-        "data_parallel": dp,
+        "tensor_parallel": layout.tensor_parallel,
+        "data_parallel": layout.data_parallel,
         "gradient_accumulation": accumulation,
-        "zero_stage": cfg.parallel.zero_stage,
+        "zero_stage": layout.zero_stage,  # the deepspeed engine's (None: megatron's)
         "device": device_type,
         "padded_vocab_size": cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel),
         "tokenizer": fingerprint,
-        "engine": cfg.train.engine,
-        "pipeline_parallel": cfg.parallel.pipeline_parallel,
-        "virtual_pipeline_parallel": cfg.parallel.virtual_pipeline_parallel,
+        "engine": layout.engine,
+        "pipeline_parallel": layout.pipeline_parallel,
+        "virtual_pipeline_parallel": layout.virtual_pipeline_parallel,
     }

@@ -5,31 +5,27 @@ torchrun and srun the line must not wait in a pipe buffer."""
 
 from __future__ import annotations
 
-import os
-
 from ..config import RunConfig
+from ..parallel import launch_rank
 
 
 def say(message: str) -> None:
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    if launch_rank() == 0:
         print(f"del-train: {message}", flush=True)
 
 
-def engine_name(cfg: RunConfig) -> str:
-    if cfg.train.engine == "megatron":
-        return "megatron-core's engine"
-    return f"DeepSpeed (ZeRO {cfg.parallel.zero_stage})"
-
-
 def building(cfg: RunConfig, world: int) -> None:
-    say(f"building the model and {engine_name(cfg)} on {world} rank(s), {cfg.layout_text(world)}")
+    from .engines import kind_of
+
+    engine = kind_of(cfg.train.engine).describe(cfg)
+    say(f"building the model and {engine} on {world} rank(s), {cfg.layout_text(world)}")
 
 
-def model_built(cfg: RunConfig, parameters: int) -> None:
+def model_built(parameters: int, owner: str) -> None:
     """Between the model and the engine: DeepSpeed's import and set-up take most of a first
-    start's half minute, which a user would otherwise watch in silence."""
-    engine = "megatron-core's" if cfg.train.engine == "megatron" else "DeepSpeed's"
-    say(f"model built ({parameters:,} parameters); starting {engine} engine")
+    start's half minute, which a user would otherwise watch in silence. owner: whose engine
+    ("DeepSpeed's")."""
+    say(f"model built ({parameters:,} parameters); starting {owner} engine")
 
 
 def held_out(cfg: RunConfig, when: str) -> None:

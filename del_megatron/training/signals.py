@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..errors import INTERRUPTED
+from ..parallel import launch_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -67,7 +68,7 @@ class StopRequest:
 
 def _say(line: str) -> None:
     """One line on stderr from the first rank (every rank of a terminal's job gets Ctrl-C)."""
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    if launch_rank() == 0:
         os.write(2, f"del-train: {line}\n".encode())
 
 

@@ -1,9 +1,9 @@
 """The training loop, top to bottom: shard -> batch -> model -> logits -> loss -> step.
 
-Two engines run the step (train.engine): a plain loop (forward, loss hook, engine.backward,
-engine.step) around a DeepSpeed engine, or megatron-core's own engine and schedules
-(training/megatron_engine.py), which alone pipelines: megatron's schedules call
-torch.autograd.backward themselves and would bypass DeepSpeed's.
+The run's engine (train.engine: training/engines/, one module each, behind
+`engines.EngineKind`) builds the model and its optimizer and runs each step; this loop
+names none of them: it asks the run's kind (`Run.engine_kind`) to build, step, score and
+hand its checkpoint adapter (training/checkpointing.py).
 """
 
 from __future__ import annotations
@@ -18,25 +18,18 @@ from typing import Any
 
 import torch
 
-from .. import collectives
-from ..config import ConfigError, RunConfig, deepspeed_config
+from ..checkpoint.layout import Place
+from ..config import ConfigError, RunConfig
 from ..data import StreamingLoader
 from ..errors import UserError
-from ..models.device import (
-    batch_to_device,
-    deterministic_algorithms,
-    peak_flops,
-    recompute_overrides,
-    resolve_device,
-    select_accelerator,
-)
 from ..outputs import agreed_output_lock, close_on_the_way_out
+from ..runtime import deterministic_algorithms, peak_flops, resolve_device, select_accelerator
 from . import progress
-from .initial_weights import initialize_weights, open_initial_weights
-from .metrics import PairSum, Reporter, StepMetrics, derived_values, log_step, means
+from .engines import EngineKind, kind_of
+from .metrics import Reporter, StepMetrics, derived_values, log_step, means
 from .plan import flops_per_token
 from .schedule import Schedule, reapply, rebase
-from .signals import StopRequest, agree
+from .signals import StopRequest
 
 BatchSource = Callable[[int, int], dict[str, torch.Tensor]]  # (step, micro) -> batch
 
@@ -65,9 +58,11 @@ class Run:
     dp_rank: int
     dp_size: int
     accumulation: int
-    engine: Any
+    engine_kind: EngineKind  # train.engine's component (training/engines/)
+    engine: Any  # what it built and steps (DeepSpeed's engine, megatron's chunks)
     scheduler: Any
     tokenizer: Any
+    place: Place  # this rank's place in the layout (tensor, pipeline, data-parallel ranks)
     schedule: Schedule | None = None  # what the scheduler follows; saved with each checkpoint
     flops_per_token: float = 0.0
     peak_flops: float | None = None  # per device, for MFU (None: unknown device)
@@ -76,9 +71,7 @@ class Run:
 
     @property
     def dp_group(self):
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_group()
+        return self.place.dp_group
 
     @property
     def is_main(self) -> bool:
@@ -91,9 +84,7 @@ def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
     device = resolve_device(cfg.train.device)
     select_accelerator(device)
     deterministic_algorithms(cfg.train.deterministic)
-    from megatron.core import parallel_state
-
-    from ..parallel import MegatronMPU, init_distributed, init_model_parallel
+    from ..parallel import init_distributed, init_model_parallel
     from ..tokenizer import Tokenizer
 
     timeout = cfg.parallel.collective_timeout_minutes
@@ -114,159 +105,52 @@ def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
         )
     schedule = schedule or Schedule.of_config(cfg)
     flops = flops_per_token(cfg.model, cfg.parallel.tensor_parallel, cfg.train.seq_len)
-    common = {
-        "cfg": cfg,
-        "device": device,
-        "rank": rank,
-        "world": world,
-        "dp_rank": parallel_state.get_data_parallel_rank(),
-        "dp_size": dp_size,
-        "accumulation": accumulation,
-        "tokenizer": tokenizer,
-        "schedule": schedule,
-        "flops_per_token": float(flops),
-        "peak_flops": peak_flops(device),
-    }
-    if cfg.train.engine == "megatron":
-        from . import megatron_engine
-
-        chunks = build_stages(cfg, device, tokenizer)
-        engine, lr_scheduler = megatron_engine.build(cfg, device, chunks, schedule)
-        count = megatron_engine.parameter_count(engine, device)
-        progress.model_built(cfg, count * cfg.parallel.tensor_parallel)
-        return Run(engine=engine, scheduler=lr_scheduler, **common)
-    model = build_model(cfg, device, tokenizer)
-    params = sum(p.numel() for p in model.parameters()) * cfg.parallel.tensor_parallel
-    progress.model_built(cfg, params)
-
-    import deepspeed
-
-    def scheduler(optimizer):
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
-
-    engine, _, _, lr_scheduler = deepspeed.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=deepspeed_config(cfg, world, gpu=device.type == "cuda"),
-        mpu=MegatronMPU(),
-        lr_scheduler=scheduler,
+    kind = kind_of(cfg.train.engine)
+    here = _place(rank, world)
+    built = kind.build(cfg, device, tokenizer, schedule, world)
+    return Run(
+        cfg=cfg,
+        device=device,
+        rank=rank,
+        world=world,
+        dp_rank=here.dp_rank,
+        dp_size=dp_size,
+        accumulation=accumulation,
+        engine_kind=kind,
+        engine=built.engine,
+        scheduler=built.scheduler,
+        tokenizer=tokenizer,
+        place=here,
+        schedule=schedule,
+        flops_per_token=float(flops),
+        peak_flops=peak_flops(device),
     )
-    return Run(engine=engine, scheduler=lr_scheduler, **common)
 
 
-def build_model(
-    cfg: RunConfig,
-    device: torch.device,
-    tokenizer,
-    *,
-    stage: tuple[bool, bool, int | None] = (True, True, None),
-    seed_offset: int = 0,
-    **overrides: Any,
-) -> torch.nn.Module:
-    """The run's model on `device` (megatron's parallel state initialized): built by the one
-    builder (`models/llama.build_llama`: RNGs seeded with train.seed, megatron's random init
-    skipped when initial weights load right after), the initial weights loaded, the EMO cost
-    embedding frozen from them. stage: (pre_process, post_process, vp_stage) of a pipeline
-    stage's model chunk (`megatron_engine.stage_flags`); seed_offset: added to train.seed
-    (`build_stages`); overrides: TransformerConfig fields."""
-    from ..models import build_llama
-
-    initial = open_initial_weights(cfg)
-    pre_process, post_process, vp_stage = stage
-    model = build_llama(
-        cfg.model,
-        tokenizer.digit_vocab,
-        cfg.loss,
-        device,
-        seed=cfg.train.seed + seed_offset,
-        weights_follow=initial is not None,
-        # both engines' backward is of loss_func's sum times one factor (DeepSpeed's
-        # loss_sum * scale, megatron's grad_scale_func): the fused loss's backward scales
-        # its gradient on the device, no host read
-        promise_scaled_loss=True,
-        pre_process=pre_process,
-        post_process=post_process,
-        vp_stage=vp_stage,
-        **recompute_overrides(device, cfg.train.activation_checkpointing),
-        **overrides,
-    )
-    initialize_weights(cfg, model, initial)
-    model.freeze_emo_cost_embedding()  # from the weights the run starts from
-    return model
-
-
-def build_stages(cfg: RunConfig, device: torch.device, tokenizer) -> list[torch.nn.Module]:
-    """This rank's model chunks for megatron's engine: one per virtual stage of its pipeline
-    stage, each with its layers (megatron numbers them from the stage's offset) and the
-    initial weights of those layers. A random start seeds each chunk with train.seed +
-    100 x its pipeline rank (Megatron-LM's offset) + its virtual stage, so no two chunks
-    draw the same weights; the first chunk of the first stage, the whole model at PP 1,
-    draws what the deepspeed engine's build draws."""
+def _place(rank: int, world: int) -> Place:
+    """This rank's place from megatron-core's parallel state (set by `setup`): what the
+    checkpoint package is handed instead of the parallel state itself."""
     from megatron.core import parallel_state
 
-    from ..models.device import building_stages, pipeline_overrides
-    from .megatron_engine import stage_flags, stage_overrides
-
-    overrides = {
-        **stage_overrides(cfg),
-        **pipeline_overrides(device, cfg.parallel.pipeline_parallel),
-    }
-    chunks = []
-    offset = 100 * parallel_state.get_pipeline_model_parallel_rank()
-    for v, flags in enumerate(stage_flags(cfg.parallel.virtual_pipeline_parallel)):
-        with building_stages(device):  # tied embeddings: the last stage's copy
-            chunk = build_model(
-                cfg, device, tokenizer, stage=flags, seed_offset=offset + v, **overrides
-            )
-        chunks.append(chunk)
-    return chunks
+    return Place(
+        rank=rank,
+        world=world,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_group=parallel_state.get_data_parallel_group(),
+    )
 
 
-def stage_reads_data(cfg: RunConfig) -> bool:
-    """Whether this rank reads the training data (megatron's parallel state set): all of them
-    but the pipeline stages between the first (tokens) and the last (labels, loss mask),
-    which take activations only, as in Megatron-LM's get_batch."""
-    if cfg.train.engine != "megatron" or cfg.parallel.pipeline_parallel == 1:
-        return True
-    from .megatron_engine import stage_flags
-
-    flags = stage_flags(cfg.parallel.virtual_pipeline_parallel)
-    return any(pre or post for pre, post, _ in flags)
-
-
-def trace_file(cfg: RunConfig, dp_rank: int) -> str | None:
+def trace_file(run: Run) -> str | None:
     """This rank's file of trained documents under data.trace (None: no trace), one per
-    data-parallel rank, written by its first tensor-parallel rank of the first pipeline
-    stage (its peers get the same batches)."""
-    from pathlib import Path
-
-    from megatron.core import parallel_state
-
-    if cfg.data.trace is None or parallel_state.get_tensor_model_parallel_rank() != 0:
+    data-parallel rank, written by the rank that saves its data state (its peers get the
+    same batches: `Place.writes_data_state`)."""
+    trace = run.cfg.data.trace
+    if trace is None or not run.place.writes_data_state:
         return None
-    if parallel_state.get_pipeline_model_parallel_rank() != 0:
-        return None
-    Path(cfg.data.trace).mkdir(parents=True, exist_ok=True)
-    return str(Path(cfg.data.trace) / f"dp{dp_rank:05d}.jsonl")
-
-
-def _forward(run: Run, batch: dict[str, torch.Tensor], probe: bool = False):
-    """A micro-batch already on the compute device -> (loss sum, tokens, report pairs).
-    probe: also measure the numeric term's share of the gradient at the output layer's
-    logits (`NumericLossGPTModel.forward`'s `numeric_grad_probe`: the report then holds
-    'numeric_grad_share' and 'numeric_grad_cos').
-
-    The model's forward ends in its loss head (`NumericLossGPTModel._postprocess`) and
-    returns the head's `NumericLossOutput`, read here from that return value. The head runs
-    inside the engine's forward so that ZeRO 3 gathers the output weight for it (and again
-    for its backward) as for any layer (docs/architecture.md, "Megatron adapter")."""
-    from ..models import loss_func
-
-    tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"]
-    positions = torch.arange(tokens.shape[1], device=run.device).expand_as(tokens)
-    probed = {"numeric_grad_probe": True} if probe else {}
-    output = run.engine(tokens, positions, None, labels=labels, loss_mask=loss_mask, **probed)
-    return loss_func(loss_mask, output)
+    Path(trace).mkdir(parents=True, exist_ok=True)
+    return str(Path(trace) / f"dp{run.dp_rank:05d}.jsonl")
 
 
 def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
@@ -286,20 +170,11 @@ def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
     )
 
     def score(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if run.cfg.train.engine == "megatron":
-            from . import megatron_engine
+        return run.engine_kind.score(run, batch)  # {name: [sum, count]}
 
-            return megatron_engine.score(run, batch)
-        return _forward(run, batch)[2]  # {name: [sum, count]}
-
-    synced = contextlib.nullcontext()
-    if run.cfg.train.engine == "megatron":
-        from .megatron_engine import synced_weights
-
-        synced = synced_weights(run.engine)  # the last step's weights, gathered
     run.engine.eval()
-    try:
-        with torch.no_grad(), synced:
+    try:  # the last step's weights, gathered where the engine gathers them behind the step
+        with torch.no_grad(), run.engine_kind.evaluation_weights(run.engine):
             evaluated = teacher_forced(
                 loader, score, _pair_means, device=run.device, group=run.dp_group
             )
@@ -316,7 +191,7 @@ def next_micro_batches(
     run: Run, source: Iterator[dict[str, torch.Tensor]] | BatchSource | None, step: int
 ) -> list[dict[str, torch.Tensor] | None]:
     """This rank's micro-batches of optimizer step `step` (0-based); None for each on a
-    pipeline stage that reads no data (`stage_reads_data`)."""
+    pipeline stage that reads no data (`EngineKind.reads_data`)."""
     if source is None:
         return [None] * run.accumulation
     if callable(source):
@@ -343,11 +218,9 @@ def train_step(
     as the loader gives them). `writing`: whether this rank's checkpoint writer is still at
     work, agreed with the stop signal (the outcome's `writing`).
 
-    DeepSpeed: each micro-batch's summed loss is divided by the tokens of the whole global
-    batch (all micro-batches of all data-parallel ranks), then multiplied back by what
-    DeepSpeed divides by (accumulation steps, data-parallel averaging); megatron: its
-    per-token loss (training/megatron_engine.py). Either way the step's gradient is that of
-    sum(loss) / tokens over the global batch, whatever the parallel layout.
+    The engine takes the step (`EngineKind.step`): every engine's gradient is that of
+    sum(loss) / tokens over the global batch, whatever the parallel layout (DeepSpeed's:
+    training/engines/deepspeed.py; megatron's per-token loss: training/engines/megatron.py).
 
     Counts and metrics stay on the device; the step's one host synchronisation is the
     agreement on the stop signal and on a non-finite loss (`signals.agree`).
@@ -356,12 +229,7 @@ def train_step(
     # the gradient probe on a log step's first micro-batch only (its cost: two more passes
     # of the loss op on it; no host read, its values read with the step's)
     probe = gradient_probe_due(run.cfg, step)
-    if run.cfg.train.engine == "megatron":
-        from . import megatron_engine
-
-        done = megatron_engine.train_step(run, micro_batches, probe, stop, writing)
-    else:
-        done = _deepspeed_step(run, micro_batches, probe, stop, writing)
+    done = run.engine_kind.step(run, micro_batches, probe, stop, writing)
     _count_nonfinite(run, step, done.skipped)
     seconds = time.perf_counter() - start
     host = {
@@ -372,40 +240,6 @@ def train_step(
     metrics = StepMetrics(done.names, done.pairs, done.grad_norm, host)
     agreed = done.agreed
     return StepOutcome(metrics=metrics, stop=agreed.stop, writing=agreed.writing, seconds=seconds)
-
-
-def _deepspeed_step(
-    run: Run,
-    micro_batches: list[dict[str, torch.Tensor]],
-    probe: bool,
-    stop: StopRequest | None,
-    writing: bool,
-):
-    """The step on the DeepSpeed engine: each micro-batch's forward, backward and step."""
-    from .megatron_engine import EngineStep
-
-    engine = run.engine
-    micro_batches = [batch_to_device(b, run.device) for b in micro_batches]
-    tokens = torch.stack([b["loss_mask"].sum() for b in micro_batches]).sum().double()
-    collectives.all_reduce(tokens, group=run.dp_group)
-    # a true division on the device, rounded once to the loss's float32 (as the host float
-    # of a Python division would be), so no step waits for the count to reach the host
-    scale = (tokens.new_full((), run.dp_size * run.accumulation) / tokens.clamp(min=1.0)).float()
-    totals = PairSum()
-    skipped_before = engine.skipped_steps
-    for micro, batch in enumerate(micro_batches):
-        loss_sum, _, report = _forward(run, batch, probe=probe and micro == 0)
-        engine.backward(loss_sum * scale)
-        engine.step()
-        totals.add(report)
-    local_loss = totals.totals["lm loss"][0]  # this rank's loss sum
-    names, pairs = totals.reduced(run.dp_group)
-    agreed = agree(stop, ~torch.isfinite(local_loss), writing)
-    # The ZeRO optimizer skips a step whose gradient norm is not finite (NaN/inf loss
-    # included): no update and no schedule step. Both signs are agreed by every rank (the
-    # overflow check inside DeepSpeed, the loss flag in `agree`).
-    skipped = engine.skipped_steps > skipped_before or agreed.nonfinite
-    return EngineStep(names, pairs, engine.get_global_grad_norm(), agreed, skipped)
 
 
 def _count_nonfinite(run: Run, step: int, skipped: bool) -> None:
@@ -466,10 +300,9 @@ def train(
     A stop signal (SIGTERM, SIGUSR1) on any rank: every rank saves the checkpoint of the step
     just finished and returns with `stopped` set (no final save, no evaluation after).
     """
-    from ..checkpoint import changes as resume_changes
-    from ..checkpoint import directory, load
-    from ..checkpoint import publish as publishing
-    from ..checkpoint import save as saving
+    from ..checkpoint import directory
+    from ..checkpoint.save import PendingSave
+    from . import checkpointing, resume_changes
 
     # StopRequest first: a signal during set-up is a stop, not a kill
     with StopRequest() as stop, contextlib.ExitStack() as held:
@@ -482,13 +315,13 @@ def train(
         # one job writes an output_dir: a second is refused on every rank (outputs.py)
         held.enter_context(agreed_output_lock(Path(cfg.output_dir), leader=run.is_main))
         loader = None
-        if batches is None and stage_reads_data(cfg):
+        if batches is None and run.engine_kind.reads_data(cfg):
             loader = StreamingLoader(
                 cfg.data_config(),
                 run.dp_rank,
                 run.dp_size,
                 fingerprint=run.tokenizer.fingerprint,
-                trace=trace_file(cfg, run.dp_rank),
+                trace=trace_file(run),
             )
         result = TrainResult()
         start = 0
@@ -496,7 +329,7 @@ def train(
             directory.remove_partial(cfg.output_dir)
         if path is not None:
             progress.say(f"loading {path}")
-            start = load.load(run, path, loader)
+            start = checkpointing.load(run, path, loader)
             if changes.peak_changed:  # the saved state holds the old peak and its rate
                 rebase(run.scheduler, cfg.optim.lr)
             elif changes.schedule_changed:  # ... the old schedule's rate at this position
@@ -507,7 +340,7 @@ def train(
         last = cfg.train.steps
         reporter = Reporter(cfg, start=start, enabled=run.is_main)
 
-        pending: saving.PendingSave | None = None  # a checkpoint being written
+        pending: PendingSave | None = None  # a checkpoint being written
 
         def keep(step: int) -> None:
             """Start the checkpoint of `step`, once the one before it is published (a save
@@ -515,7 +348,7 @@ def train(
             nonlocal pending
             if save:
                 publish()
-                pending = saving.save(run, step, loader, keep=cfg.train.keep_checkpoints)
+                pending = checkpointing.save(run, step, loader, keep=cfg.train.keep_checkpoints)
                 if not pending.background:  # written already: no step between
                     publish()
 
@@ -526,7 +359,7 @@ def train(
             nonlocal pending
             if pending is not None:
                 started = time.perf_counter()
-                saved = publishing.publish(run, pending, run_ends=run_ends)
+                saved = checkpointing.publish(run, pending, run_ends=run_ends)
                 waited = pending.waited_s + time.perf_counter() - started
                 reporter.message(f"checkpoint {saved.name} saved (training waited {waited:.2f} s)")
                 result.checkpoint = str(saved)

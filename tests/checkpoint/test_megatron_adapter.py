@@ -1,5 +1,5 @@
-"""The megatron adapter's Adam step where the optimizer keeps it (checkpoint/engines/
-megatron.py): torch's Adam and AdamW in each parameter's state (what the CPU suite runs),
+"""The megatron adapter's Adam step where the optimizer keeps it (training/engines/
+megatron_checkpoint.py): torch's Adam and AdamW in each parameter's state (what the CPU suite runs),
 the fused Adams megatron picks first on GPU (Transformer Engine's, apex's) in the parameter
 group. The fused ones are GPU-only imports: a stand-in keeps the step as their `step()`
 does (`group["step"] += 1`, or 1 when absent; moments in the state, no step there).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from del_megatron.checkpoint.engines.megatron import MegatronAdapter, _Holder
+from del_megatron.training.engines.megatron_checkpoint import MegatronAdapter, _Holder
 
 
 class GroupStepAdam(torch.optim.Optimizer):

@@ -57,7 +57,8 @@ PRELOAD = (
     "del_megatron.cli.eval",
     "del_megatron.cli.convert",
     "del_megatron.training.trainer",
-    "del_megatron.training.megatron_engine",
+    "del_megatron.training.engines.deepspeed",
+    "del_megatron.training.engines.megatron",
     "del_megatron.models",
     "del_megatron.evaluation",
 )

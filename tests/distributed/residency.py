@@ -21,7 +21,7 @@ a GPU run and records each place where such a run would fail or stall:
     waits for the device to learn the size;
   - a blocking host-to-device copy: `torch.tensor` / `as_tensor` of Python data onto the
     device, or `.to(device)` of a host tensor that is not a loader batch (those are pinned
-    and copied `non_blocking` on a GPU, `models/device.batch_to_device`) and not
+    and copied `non_blocking` on a GPU, `runtime.batch_to_device`) and not
     `non_blocking` itself.
 
 Only calls made from del_megatron/ are judged; megatron-core, DeepSpeed and torch make their

@@ -148,7 +148,8 @@ def test_deepspeeds_engines_read_back(group, monkeypatch, tmp_path):
     sum."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from del_megatron.config import deepspeed_config, load_run_config
+    from del_megatron.config import load_run_config
+    from del_megatron.training.engines.deepspeed import deepspeed_config
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     config = deepspeed_config(load_run_config(ROOT / "configs/qwen2.5_7b.yaml", []), 8, gpu=True)
@@ -451,7 +452,7 @@ def test_every_benchmark_figure_can_fail(tmp_path, function, text, broken, figur
 
 def test_a_gpu_without_a_peak_fails_the_mfu_row_by_name(tmp_path):
     text = STEP.format(**GOOD).replace("0.385", "  nan")
-    assert "not in del_megatron/models/device.py's PEAK_FLOPS" in verdict(
+    assert "not in del_megatron/runtime.py's PEAK_FLOPS" in verdict(
         acc.check_bench_train_step, check(tmp_path, acc.GPU, [text]))
 
 

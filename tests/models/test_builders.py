@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def gpu_init(monkeypatch, cuda_on_cpu, one_process_groups):
     """The device module's overrides with the GPU's `use_cpu_initialization=False`."""
-    from del_megatron.models import device, llama
+    from del_megatron.models import llama
+    from del_megatron.models import spec as device
 
     gpu_style = {**device.transformer_config_overrides(CPU), "use_cpu_initialization": False}
     monkeypatch.setattr(llama, "transformer_config_overrides", lambda _device: gpu_style)
@@ -107,7 +108,7 @@ def test_trainer_builds_seeded_and_skips_the_init_it_loads_over(
     gpu_init, weights_dir, spm_split_digits, tmp_path
 ):
     from del_megatron.tokenizer import Tokenizer
-    from del_megatron.training.trainer import build_model
+    from del_megatron.training.build import build_model
 
     tokenizer = Tokenizer(spm_split_digits)
     random = [

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from del_megatron.errors import UserError
-from del_megatron.models.device import local_device_index
+from del_megatron.parallel import local_device_index
 
 SLURM_TASK = {"SLURM_PROCID": "11", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3"}
 

@@ -1,5 +1,6 @@
-"""The model's device-dependent choices made by models/device.py from the run's device, never by
-what megatron found importable, and its probes agreed without a tensor of the probed device.
+"""The model's device-dependent choices made by models/spec.py and runtime.py from the run's
+device, never by what megatron found importable, and its probes agreed without a tensor of
+the probed device.
 
 Three classes, each failing on the code before:
 
@@ -34,7 +35,8 @@ import types
 import pytest
 import torch
 
-from del_megatron.models import device
+from del_megatron import runtime
+from del_megatron.models import spec as device
 
 CPU = torch.device("cpu")
 
@@ -166,8 +168,8 @@ def test_the_probes_agreement_takes_no_tensor_of_the_device(switch, fails, group
 )
 def test_peak_flops_by_the_exact_device_name(name, peak, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: name)
-    assert device.peak_flops(torch.device("cuda")) == peak
-    assert device.peak_flops(CPU) is None
+    assert runtime.peak_flops(torch.device("cuda")) == peak
+    assert runtime.peak_flops(CPU) is None
 
 
 def test_train_deterministic_makes_torch_deterministic(monkeypatch):
@@ -179,10 +181,10 @@ def test_train_deterministic_makes_torch_deterministic(monkeypatch):
     assert not TrainConfig(**train).deterministic  # off by default
     assert TrainConfig(**train, deterministic=True).deterministic
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    device.deterministic_algorithms(False)
+    runtime.deterministic_algorithms(False)
     assert not torch.are_deterministic_algorithms_enabled()
     try:
-        device.deterministic_algorithms(True)
+        runtime.deterministic_algorithms(True)
         assert torch.are_deterministic_algorithms_enabled()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:

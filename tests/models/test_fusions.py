@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from del_megatron.models import device
-from del_megatron.models.device import COMPILED_FUSIONS, FUSION_FLAGS, choose_fusions
+from del_megatron.models import spec as device
+from del_megatron.models.spec import COMPILED_FUSIONS, FUSION_FLAGS, choose_fusions
 
 ERROR = "BackendCompilerFailed: backend='inductor' raised: CalledProcessError: gcc not found"
 

@@ -62,7 +62,7 @@ def on_cpu(provider):
     """The settings a CPU run of Bridge's provider needs (its recipe's are for GPUs)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from del_megatron.models.device import FUSION_FLAGS, gpt_layer_spec
+    from del_megatron.models.spec import FUSION_FLAGS, gpt_layer_spec
 
     for flag in FUSION_FLAGS:
         setattr(provider, flag, False)
@@ -85,8 +85,8 @@ def batch():
 def test_the_provider_keeps_bridges_fields_and_provides_the_numeric_model(
     bridge, tmp_path, one_process_groups
 ):
-    from del_megatron.models.device import apply_device_shims
     from del_megatron.models.gpt import NumericLossGPTModel
+    from del_megatron.models.spec import apply_device_shims
 
     megatron_bridge, _, _ = bridge
     theirs = hf_provider(tmp_path)
@@ -136,7 +136,7 @@ def test_bridges_loss_function_fails_loudly_on_the_heads_output(
     Now it raises, also on the plain tuple Float16Module makes of the output."""
     from megatron.core.transformer.module import float16_to_fp32
 
-    from del_megatron.models.device import apply_device_shims
+    from del_megatron.models.spec import apply_device_shims
 
     megatron_bridge, _, masked_next_token_loss = bridge
     ours = megatron_bridge.NumericLossGPTModelProvider.from_provider(

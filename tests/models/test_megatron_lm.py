@@ -57,7 +57,7 @@ def megatron_gpt_builder(
     CPU's layer spec and shims."""
     from megatron.core.models.gpt import GPTModel
 
-    from del_megatron.models.device import apply_device_shims, gpt_layer_spec
+    from del_megatron.models.spec import apply_device_shims, gpt_layer_spec
 
     cpu = torch.device("cpu")
     model = GPTModel(
@@ -136,7 +136,7 @@ def test_another_model_class_is_refused(config):
     """A GPTModel subclass of the user's may compute its loss itself: not converted."""
     from megatron.core.models.gpt import GPTModel
 
-    from del_megatron.models.device import gpt_layer_spec
+    from del_megatron.models.spec import gpt_layer_spec
 
     class Custom(GPTModel):
         pass

@@ -39,8 +39,9 @@ def attention_pair(heads, groups, tp, head_dim, dtype):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from del_megatron.models.device import SDPACoreAttention, seed_rngs
+    from del_megatron.models.attention import SDPACoreAttention
     from del_megatron.models.llama import transformer_config
+    from del_megatron.runtime import seed_rngs
 
     seed_rngs(0, cuda_tracker=True)  # megatron's attention forks the tracker around dropout
     arch = LlamaArchitecture(
@@ -95,7 +96,7 @@ def test_sdpa_equals_megatron_local_attention(
 
 
 def test_cuda_without_transformer_engine_uses_sdpa(monkeypatch):
-    from del_megatron.models import device
+    from del_megatron.models import spec as device
 
     monkeypatch.setattr(device, "transformer_engine_available", lambda: False)
     for where in ("cuda", "cpu"):

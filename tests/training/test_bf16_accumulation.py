@@ -21,11 +21,12 @@ import torch
 
 from del_megatron import DigitVocab, NumericLossConfig
 from del_megatron.checkpoint import optim_state
-from del_megatron.checkpoint.engines.deepspeed import DeepSpeedAdapter
-from del_megatron.config import deepspeed_config, parse_run_config
+from del_megatron.config import parse_run_config
 from del_megatron.losses import numeric_loss, vocab_parallel_numeric_loss
 from del_megatron.losses.fused import vocab_parallel_fused_numeric_loss
-from del_megatron.models.device import select_accelerator
+from del_megatron.runtime import select_accelerator
+from del_megatron.training.engines.deepspeed import deepspeed_config
+from del_megatron.training.engines.deepspeed_checkpoint import DeepSpeedAdapter
 
 MICRO_BATCHES = 64
 BOUND = 4e-3  # relative norm error of the step's summed gradient

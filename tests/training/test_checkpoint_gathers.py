@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from del_megatron.checkpoint import save as saving
-from del_megatron.checkpoint.engines.deepspeed import DeepSpeedAdapter
+from del_megatron.checkpoint.layout import Place
+from del_megatron.checkpoint.parts import Record
+from del_megatron.training.engines.deepspeed_checkpoint import DeepSpeedAdapter
 
 
 class Gathers:
@@ -46,13 +48,11 @@ def test_zero3_weights_are_gathered_one_parameter_at_a_time(tmp_path, monkeypatc
     monkeypatch.setattr(deepspeed.zero, "GatheredParameters", gathers)
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    run = SimpleNamespace(
-        engine=SimpleNamespace(module=module),
-        cfg=SimpleNamespace(parallel=SimpleNamespace(zero_stage=3)),
-        dp_rank=0,
-        is_main=False,
+    engine = SimpleNamespace(module=module)
+    parts = SimpleNamespace(  # data-parallel rank 0 of tensor-parallel rank 0, not rank 0
+        place=Place(rank=1, world=2), adapter=DeepSpeedAdapter(engine, zero3=True)
     )
-    saving._weights_job(run, DeepSpeedAdapter(run.engine, zero3=True), tmp_path)()
+    saving._weights_job(parts, tmp_path, Record())()
     params = list(module.parameters())
     assert gathers.most == 1
     assert [id(p) for p in gathers.gathered] == [id(p) for p in params]

@@ -15,8 +15,10 @@ from safetensors.torch import load_file
 from del_megatron.checkpoint import directory, writer
 from del_megatron.checkpoint import publish as publishing
 from del_megatron.checkpoint import save as saving
-from del_megatron.checkpoint.engines.deepspeed import DeepSpeedAdapter
+from del_megatron.checkpoint.layout import Place
+from del_megatron.checkpoint.parts import Record
 from del_megatron.checksums import hash_file
+from del_megatron.training.engines.deepspeed_checkpoint import DeepSpeedAdapter
 
 from ..distributed.launcher import run_torchrun
 
@@ -133,13 +135,11 @@ def test_the_weights_written_are_those_of_the_save(tmp_path, monkeypatch):
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
     module = torch.nn.Linear(4, 3)
     before = {name: p.detach().clone() for name, p in module.named_parameters()}
-    run = SimpleNamespace(
-        engine=SimpleNamespace(module=module),
-        cfg=SimpleNamespace(parallel=SimpleNamespace(zero_stage=1)),
-        dp_rank=0,
-        is_main=False,
+    engine = SimpleNamespace(module=module)
+    parts = SimpleNamespace(  # data-parallel rank 0 of tensor-parallel rank 0, not rank 0
+        place=Place(rank=1, world=2), adapter=DeepSpeedAdapter(engine, zero3=False)
     )
-    write = saving._weights_job(run, DeepSpeedAdapter(run.engine, zero3=False), tmp_path)
+    write = saving._weights_job(parts, tmp_path, Record())
     with torch.no_grad():
         for param in module.parameters():
             param.add_(1.0)  # the next optimizer step, in place

@@ -19,6 +19,7 @@ import pytest
 
 from del_megatron.checkpoint import directory
 from del_megatron.checkpoint import save as saving
+from del_megatron.checkpoint.layout import Place
 from del_megatron.data import DataConfig, DataSource, StreamingLoader
 
 from .test_bad_input import fake_checkpoint, setup, with_optimizer_files  # noqa: F401
@@ -79,8 +80,8 @@ def save_every_rank(directory: Path, loaders, tp: int, monkeypatch) -> dict[int,
         )
         monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 0)
         monkeypatch.setattr(saving.collectives, "gather_object", gather)
-        run = SimpleNamespace(is_main=rank == 0, dp_group=None)
-        job = saving._data_state_job(run, directory, loaders[dp_rank])
+        place = Place(rank=rank, world=tp * DP, tp_rank=tp_rank, dp_rank=dp_rank)
+        job = saving._data_state_job(SimpleNamespace(place=place), directory, loaders[dp_rank])
         if job is not None:
             job()
     return sent
@@ -162,8 +163,8 @@ def test_the_dry_run_resumes_either_form_at_the_saved_layout_and_another(
 
         monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
         monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 0)
-        run = SimpleNamespace(is_main=True, dp_group=None)
-        saving._data_state_job(run, path, loader)()
+        place = Place(rank=0, world=1)
+        saving._data_state_job(SimpleNamespace(place=place), path, loader)()
     extra = [] if layout == "saved" else ["parallel.tensor_parallel=1"]
     code = main(["--config", str(config), "--dry-run", *extra, "--resume", str(path)])
     out, err = capsys.readouterr()

@@ -11,13 +11,14 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from del_megatron.checkpoint import load as loading
 from del_megatron.checkpoint import optim_format, rng
+from del_megatron.checkpoint.layout import Layout
 from del_megatron.checksums import hash_file
 
 from ..distributed.launcher import ROOT, run_torchrun
@@ -181,11 +182,11 @@ def test_streamed_safetensors_file_reads_back(tmp_path):
 
 
 def test_layout_comparison_and_derived_seeds():
-    saved = {"tensor_parallel": 2, "data_parallel": 1, "zero_stage": None}
-    same = {"tensor_parallel": 2, "data_parallel": 1, "zero_stage": 3}
-    assert not loading.changed(saved, same)  # unrecorded stage: DeepSpeed decides
-    assert loading.changed({**saved, "zero_stage": 1}, same)
-    assert loading.changed(saved, {**same, "data_parallel": 2})
+    saved = Layout("deepspeed", tensor_parallel=2, data_parallel=1, zero_stage=None)
+    same = Layout("deepspeed", tensor_parallel=2, data_parallel=1, zero_stage=3)
+    assert not same.differs_from(saved)  # unrecorded stage: DeepSpeed decides
+    assert same.differs_from(replace(saved, zero_stage=1))
+    assert replace(same, data_parallel=2).differs_from(saved)
     seeds = {rng.derived_seed(7, step, dp) for step in (10, 11) for dp in (0, 1, 2)}
     assert len(seeds) == 6 and all(0 <= s < 2**63 for s in seeds)
     assert rng.derived_seed(7, 10, 1) == rng.derived_seed(7, 10, 1)

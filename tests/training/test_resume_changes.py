@@ -1,4 +1,4 @@
-"""What may change on resume (checkpoint/changes.py): every config field has a row, and
+"""What may change on resume (training/resume_changes.py): every config field has a row, and
 each change is said in one line in the dry run or refused in one line naming its override.
 The checks run on the files of a checkpoint (tests/training/test_bad_input.py's
 fake_checkpoint plus its run_config.yaml), no training."""
@@ -11,9 +11,9 @@ import math
 
 import pytest
 
-from del_megatron.checkpoint.changes import TABLE, config_fields
 from del_megatron.cli.train import main
 from del_megatron.config import dump_run_config, parse_run_config
+from del_megatron.training.resume_changes import TABLE, config_fields
 from del_megatron.training.schedule import Schedule, saved_schedule
 
 from . import test_bad_input

@@ -34,14 +34,15 @@ import torch
 import torch.distributed as dist
 
 from del_megatron import collectives
-from del_megatron.checkpoint import engines, optim_format, optim_state, rng
+from del_megatron.checkpoint import adapter as engines
 from del_megatron.checkpoint import load as loading
-from del_megatron.checkpoint import publish as publishing
-from del_megatron.checkpoint import save as saving
-from del_megatron.checkpoint.engines import deepspeed as deepspeed_engine
+from del_megatron.checkpoint import optim_format, optim_state, rng
+from del_megatron.checkpoint.layout import Layout
 from del_megatron.config import load_run_config
 from del_megatron.models.hf_tensors import canonical
 from del_megatron.models.sharding import merge, partition_of_param
+from del_megatron.training import checkpointing
+from del_megatron.training.engines import deepspeed_checkpoint as deepspeed_engine
 from del_megatron.training.trainer import setup, train_step
 
 
@@ -138,9 +139,9 @@ def assert_state_equals_files(run, path: Path, when: str, *, made_padding: bool)
 def assert_derived_rng(run, path: Path, step: int) -> None:
     """At other tensor/data-parallel sizes the generator is seeded from (seed, step,
     data-parallel rank), before anything draws from it."""
-    saved = loading.saved_layout(json.loads((path / "meta.json").read_text()))
-    wanted = loading.run_layout(run.cfg, run.world)
-    if all(saved[k] == wanted[k] for k in ("tensor_parallel", "data_parallel")):
+    saved = Layout.saved(json.loads((path / "meta.json").read_text()))
+    wanted = checkpointing.layout(run.cfg, run.world)
+    if all(getattr(saved, k) == getattr(wanted, k) for k in ("tensor_parallel", "data_parallel")):
         return
     seed = rng.derived_seed(run.cfg.train.seed, step, run.dp_rank)
     expected = torch.rand(4, generator=torch.Generator().manual_seed(seed))
@@ -317,8 +318,8 @@ def assert_reads_are_slices(run, path: Path, read: int) -> None:
     """Where the load read the layout-free state (at another layout, or at the saved one
     without DeepSpeed's), this rank read <= 1.1 x its new slice of the state's tensors, all
     ranks together <= 1.1 x the state."""
-    saved = loading.saved_layout(json.loads((path / "meta.json").read_text()))
-    if not loading.reads_layout_free(path, saved, loading.run_layout(run.cfg, run.world)):
+    saved = Layout.saved(json.loads((path / "meta.json").read_text()))
+    if not loading.reads_layout_free(path, saved, checkpointing.layout(run.cfg, run.world)):
         return
     mine, state = own_slice_bytes(run), state_bytes(path)
     assert read <= 1.1 * mine, f"rank {run.rank} read {read} bytes of {path}, its slice {mine}"
@@ -338,18 +339,18 @@ def main() -> None:
     started = time.perf_counter()
     run = setup(cfg)
     timings = [f"setup {time.perf_counter() - started:.1f}s"]
-    layout = loading.describe(loading.run_layout(cfg, run.world))
+    layout = checkpointing.layout(cfg, run.world).describe()
     step, made_padding = 0, False
     for path in [Path(p) for p in load.split(",") if p != "-"]:
         started = time.perf_counter()
         read = [0]
         with counted_reads(read):
-            step = loading.load(run, path, None)
+            step = checkpointing.load(run, path, None)
         timings.append(f"load {time.perf_counter() - started:.2f}s")
         assert_reads_are_slices(run, path, read[0])
         assert_derived_rng(run, path, step)
-        saved_layout = loading.saved_layout(json.loads((path / "meta.json").read_text()))
-        made_padding = loading.changed(saved_layout, loading.run_layout(cfg, run.world))
+        saved_layout = Layout.saved(json.loads((path / "meta.json").read_text()))
+        made_padding = checkpointing.layout(cfg, run.world).differs_from(saved_layout)
         when = f"{path} loaded at {layout}"
         count = assert_state_equals_files(run, path, when, made_padding=made_padding)
         if run.is_main:
@@ -367,7 +368,8 @@ def main() -> None:
 
         optim_state.save_job = counted_save
         try:
-            saved = publishing.publish(run, saving.save(run, step + 6, None, keep=0))
+            pending = checkpointing.save(run, step + 6, None, keep=0)
+            saved = checkpointing.publish(run, pending)
         finally:
             optim_state.save_job = real_save
         timings.append(f"save {time.perf_counter() - started:.2f}s")

@@ -55,11 +55,12 @@ def steps(run, batches, first: int, last: int) -> list[float]:
 
 
 def save(tokenizer, manifest, init_dir: Path, variant: str, directory: Path) -> None:
-    from del_megatron.checkpoint import publish, save
+    from del_megatron.training import checkpointing
 
     run, batches = start(tokenizer, manifest, init_dir, variant, directory)
     steps(run, batches, 1, SAVED_AT)
-    saved = publish.publish(run, save.save(run, SAVED_AT, None, keep=1), run_ends=True)
+    pending = checkpointing.save(run, SAVED_AT, None, keep=1)
+    saved = checkpointing.publish(run, pending, run_ends=True)
     if dist.get_rank() == 0:
         print(f"OK saved {variant} at {saved}", flush=True)
     if run.cfg.train.engine == "deepspeed":
@@ -73,11 +74,10 @@ def assert_state_is_the_saved_one(run, path: Path) -> int:
     from megatron.core import parallel_state
 
     from del_megatron.checkpoint import optim_format
-    from del_megatron.checkpoint.engines import adapter_of
     from del_megatron.models.hf_tensors import canonical
     from del_megatron.models.sharding import split
 
-    adapter = adapter_of(run)
+    adapter = run.engine_kind.checkpoint_adapter(run)
     index = optim_format.read_index(path)
     saved = {e["canonical"]: e for e in index["params"]}
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -108,11 +108,11 @@ def assert_state_is_the_saved_one(run, path: Path) -> int:
 
 def resume(tokenizer, manifest, out_dir: Path, init_dir: Path, variant: str, directory: Path):
     from del_megatron.checkpoint import directory as directories
-    from del_megatron.checkpoint import load
+    from del_megatron.training import checkpointing
 
     run, batches = start(tokenizer, manifest, init_dir, variant, out_dir / "unused")
     path = directories.complete_checkpoints(directories.root_of(str(directory)))[-1]
-    step = load.load(run, path, None)
+    step = checkpointing.load(run, path, None)
     assert step == SAVED_AT, step
     compared = assert_state_is_the_saved_one(run, path)
     counts = [None] * dist.get_world_size()

@@ -86,7 +86,8 @@ def write_init(tokenizer: str, manifest: str, init_dir: Path) -> None:
     """INIT_DIR/{untied,tied}: a seeded random model at TP 1 as del-megatron weights."""
     from del_megatron.models.sharding import gather_full
     from del_megatron.models.weight_files import write_weights
-    from del_megatron.training.trainer import build_model, setup
+    from del_megatron.training.build import build_model
+    from del_megatron.training.trainer import setup
 
     for tied in (False, True):
         cfg = config(tokenizer, manifest, "deepspeed:1:1/del" + ("+tied" if tied else ""), None)
@@ -178,7 +179,8 @@ def distinct_random_layers(tokenizer: str, manifest: str) -> None:
     """A random start at PP x virtual stages (`distinct:TP:PP:VP`-less: PP = the process
     count, 2 chunks each): no two model chunks hold the same first-layer weights (each chunk
     its own seed), and the first chunk of the first stage is what a one-stage build draws."""
-    from del_megatron.training.trainer import build_model, setup
+    from del_megatron.training.build import build_model
+    from del_megatron.training.trainer import setup
 
     pp = int(os.environ["WORLD_SIZE"])
     cfg = config(tokenizer, manifest, f"megatron:1:{pp}:2/del", None)

@@ -394,7 +394,7 @@ def megatron_lm_step(ref: Reference) -> str:
         wrap_model_chunks_with_ddp,
     )
 
-    from del_megatron.models.device import apply_device_shims, gpt_layer_spec
+    from del_megatron.models.spec import apply_device_shims, gpt_layer_spec
 
     run_megatron_on_cpu(MEGATRON_LM)
     sys.argv = ["pretrain_gpt.py", *MEGATRON_LM_ARGS.split()]
@@ -491,8 +491,8 @@ def megatron_bridge_step(ref: Reference, directory: str) -> str:
     from megatron.core.rerun_state_machine import RerunDataIterator
     from transformers import Qwen2Config
 
-    from del_megatron.models.device import FUSION_FLAGS, apply_device_shims, gpt_layer_spec
     from del_megatron.models.megatron_bridge import NumericLossGPTModelProvider, forward_step
+    from del_megatron.models.spec import FUSION_FLAGS, apply_device_shims, gpt_layer_spec
 
     shape, cpu = arch(False), torch.device("cpu")
     if dist.get_rank() == 0:

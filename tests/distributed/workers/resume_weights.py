@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from del_megatron.checkpoint import load
 from del_megatron.config import load_run_config
 from del_megatron.models.sharding import gather_full
 from del_megatron.parallel import end_distributed
+from del_megatron.training import checkpointing
 from del_megatron.training.trainer import setup, train_step
 
 
@@ -25,7 +25,7 @@ def main() -> None:
     path, config, *overrides = sys.argv[1:]
     cfg = load_run_config(config, overrides)
     run = setup(cfg)
-    step = load.load(run, Path(path), None)
+    step = checkpointing.load(run, Path(path), None)
     saved = load_file(str(Path(path) / "model" / "tp00.safetensors"))  # TP 1: the whole model
     module = run.engine.module
 

@@ -26,7 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from del_megatron.config import deepspeed_config, parse_run_config
+from del_megatron.config import parse_run_config
+from del_megatron.training.engines.deepspeed import deepspeed_config
 
 H = 512
 
@@ -120,7 +121,7 @@ def measure(stage: int, sizes: dict) -> dict:
 
 
 def main() -> None:
-    # DeepSpeed's CPU accelerator, as models/device.select_accelerator sets it (not imported
+    # DeepSpeed's CPU accelerator, as runtime.select_accelerator sets it (not imported
     # here: it imports megatron-core, a quarter of this worker's time on two cores)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed

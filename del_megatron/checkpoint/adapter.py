@@ -1,23 +1,26 @@
-"""Engine adapters: how an engine's optimizer holds the layout-free state's ranges, and the
-engine's own parts of a checkpoint (its counters, its weights on the host, its native state).
+"""What a checkpoint needs of an engine (`Adapter`): how its optimizer holds the layout-free
+state's ranges, and its own parts of a checkpoint (its counters, its weights on the host);
+and, for an engine with a state format of its own, that state (`NativeState`).
 
-A checkpoint is written and read through one adapter (`adapter_of`), never through an
-engine: optim_state.py asks it for the trained parameters (named as the whole model names
-them), the range [start, stop) of each flattened tensor-parallel shard this rank's optimizer
-holds (`owned`), whether this rank writes that range (`writes`: false on a replica whose
-data-parallel peer writes the same), and the 1-D fp32 master and Adam moments of that range
-(`get`, `put`). Adapters are made for one save or load and hold nothing between calls.
+A checkpoint is written and read through one adapter, never through an engine: the caller
+makes it for one save or load (training/checkpointing.py asks the run's engine for it,
+training/engines/) and hands it in. optim_state.py asks it for the trained parameters
+(named as the whole model names them), the range [start, stop) of each flattened
+tensor-parallel shard this rank's optimizer holds (`owned`), whether this rank writes that
+range (`writes`: false on a replica whose data-parallel peer writes the same), and the 1-D
+fp32 master and Adam moments of that range (`get`, `put`). Adapters hold nothing between
+calls.
 
-* engines/deepspeed.py: DeepSpeed's ZeRO 1/2/3 partitions (a rank's fragments of its
-  flat groups), its step counters and its own checkpoint files.
-* engines/megatron.py: megatron-core's optimizers: the FP32 optimizer (the parameters are
-  the masters; every data-parallel rank holds all of them, rank 0 writes), the bf16 one with
-  fp32 masters, and the distributed optimizer (each rank's range of each parameter,
-  `param_map[p]["param"]`, as DeepSpeed's fragments), over the pipeline stage's chunks.
+The adapters themselves live beside their engines: training/engines/deepspeed_checkpoint.py
+(DeepSpeed's ZeRO 1/2/3 partitions, its step counters, its own checkpoint files) and
+training/engines/megatron_checkpoint.py (megatron-core's FP32, bf16 and distributed
+optimizers over a pipeline stage's chunks).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -74,12 +77,14 @@ def saved_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, b) for name, b in module.named_buffers() if name in persistent]
 
 
-def adapter_of(run: Any) -> Adapter:
-    """The adapter of the run's engine (train.engine), for one save or load."""
-    if run.cfg.train.engine == "megatron":
-        from .megatron import MegatronAdapter
+class NativeState(Protocol):
+    """An engine's own optimizer state, kept instead of the layout-free state where the run
+    asks (train.layout_free_checkpoints=false) and read at its saved layout only; its files
+    are under `native.TAG` (checkpoint/native.py names them)."""
 
-        return MegatronAdapter(run.engine, dp_rank=run.dp_rank)
-    from .deepspeed import DeepSpeedAdapter
+    def save_job(self, directory: Path, step: int) -> Callable[[], dict[str, dict[str, Any]]]:
+        """Write the state now (the engine writes it itself, so such a save is not written
+        behind training); the job flushes it to the disk."""
+        ...
 
-    return DeepSpeedAdapter(run.engine, zero3=run.cfg.parallel.zero_stage == 3)
+    def load(self, path: Path) -> None: ...

@@ -1,7 +1,10 @@
 """megatron-core's own engine (train.engine=megatron): this rank's pipeline stage as model
-chunks (one per virtual stage) wrapped in megatron-core's DistributedDataParallel, its
-optimizer, and one step as Megatron-LM's `train_step` takes it, through
-`get_forward_backward_func()` (no pipelining, 1F1B, interleaved 1F1B).
+chunks (one per virtual stage, `build_stages`) wrapped in megatron-core's
+DistributedDataParallel, its optimizer, and one step as Megatron-LM's `train_step` takes it,
+through `get_forward_backward_func()` (no pipelining, 1F1B, interleaved 1F1B). Everything of
+this engine is here (`KIND`, training/engines/__init__.EngineKind): its config rules, its
+device choices, its stages, its memory plan; its checkpoint adapter beside it
+(megatron_checkpoint.py).
 
 The step's gradient is that of sum(loss) / tokens over the global batch, as the deepspeed
 engine's: megatron's per-token loss (`calculate_per_token_loss`), whose schedules sum the
@@ -11,7 +14,7 @@ A step with a non-finite loss or gradient norm, agreed by every rank, is skipped
 optimizer skips it (no update, no schedule step).
 
 Device choices (the distributed optimizer and overlapped reductions on GPU, what megatron
-needs on CPU) come from models/device.py; the engine reads none of its own.
+needs on CPU) are made here by the run's device (`engine_choices`, `engine_on`).
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from typing import Any
 
 import torch
 
-from .. import collectives
-from ..models.device import batch_to_device, megatron_engine_choices, megatron_engine_on
-from .metrics import PairSum
-from .signals import Agreement, StopRequest, agree
+from ... import collectives
+from ...runtime import batch_to_device
+from .. import progress
+from ..build import build_model
+from ..metrics import PairSum
+from ..signals import StopRequest, agree
+from . import Built, EngineStep, run_layout
 
 
 @dataclass
@@ -72,17 +78,6 @@ def synced_weights(engine: MegatronEngine):
                 chunk.enable_forward_pre_hook()
 
 
-@dataclass
-class EngineStep:
-    """One step's outcome as the loop reads it, the same for both engines."""
-
-    names: list[str]
-    pairs: torch.Tensor  # [metrics, 2] float64, reduced over data-parallel ranks
-    grad_norm: float | torch.Tensor | None  # before clipping
-    agreed: Agreement
-    skipped: bool  # agreed: no update this step
-
-
 def stage_flags(vp: int | None) -> list[tuple[bool, bool, int | None]]:
     """(pre_process, post_process, vp_stage) of each model chunk of this rank: the
     embedding on the first chunk of the first stage, the output layer and the loss head on
@@ -113,7 +108,7 @@ def stage_overrides(cfg) -> dict[str, Any]:
     return fields
 
 
-def build(cfg, device: torch.device, chunks: list[torch.nn.Module], schedule) -> tuple:
+def wrap(cfg, device: torch.device, chunks: list[torch.nn.Module], schedule) -> tuple:
     """(MegatronEngine, its learning-rate scheduler) around this rank's built chunks."""
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -122,8 +117,8 @@ def build(cfg, device: torch.device, chunks: list[torch.nn.Module], schedule) ->
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    megatron_engine_on(device)
-    choices = megatron_engine_choices(device)
+    engine_on(device)
+    choices = engine_choices(device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=choices.overlap,
@@ -198,7 +193,7 @@ def _forward_step_func(device: torch.device, seq_len: int, probe: bool):
     stage, labels and loss mask on the last, nothing between), the model, and the loss
     function bound to the micro-batch's mask. probe: the gradient probe on the last stage's
     first micro-batch."""
-    from ..models import loss_func
+    from ...models import loss_func
 
     probes_left = [probe]
 
@@ -322,3 +317,226 @@ def parameter_count(engine: MegatronEngine, device: torch.device) -> int:
     count = torch.tensor([float(local)], dtype=torch.float64, device=device)
     collectives.all_reduce(count, group=parallel_state.get_pipeline_model_parallel_group())
     return int(count.item())  # once, at start
+
+
+def build_stages(cfg, device: torch.device, tokenizer) -> list[torch.nn.Module]:
+    """This rank's model chunks for megatron's engine: one per virtual stage of its pipeline
+    stage, each with its layers (megatron numbers them from the stage's offset) and the
+    initial weights of those layers. A random start seeds each chunk with train.seed +
+    100 x its pipeline rank (Megatron-LM's offset) + its virtual stage, so no two chunks
+    draw the same weights; the first chunk of the first stage, the whole model at PP 1,
+    draws what the deepspeed engine's build draws."""
+    from megatron.core import parallel_state
+
+    overrides = {
+        **stage_overrides(cfg),
+        **pipeline_overrides(device, cfg.parallel.pipeline_parallel),
+    }
+    chunks = []
+    offset = 100 * parallel_state.get_pipeline_model_parallel_rank()
+    for v, flags in enumerate(stage_flags(cfg.parallel.virtual_pipeline_parallel)):
+        with building_stages(device):  # tied embeddings: the last stage's copy
+            chunk = build_model(
+                cfg, device, tokenizer, stage=flags, seed_offset=offset + v, **overrides
+            )
+        chunks.append(chunk)
+    return chunks
+
+
+# ---- device choices ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineChoices:
+    """What megatron-core's engine runs on a device."""
+
+    distributed_optimizer: bool  # sharded fp32 masters and moments (CUDA tensors only)
+    overlap: bool  # gradient reduction and parameter all-gather behind compute (buckets)
+    bf16: bool  # bf16 parameters with fp32 masters
+
+
+def engine_choices(device: torch.device) -> EngineChoices:
+    """GPU: megatron's distributed optimizer (it refuses CPU tensors: "Wrapped parameters
+    must be one of torch.cuda.FloatTensor ..."), overlapped reductions, bf16; CPU: megatron's
+    FP32 optimizer, reductions after backward, float32."""
+    gpu = device.type == "cuda"
+    return EngineChoices(distributed_optimizer=gpu, overlap=gpu, bf16=gpu)
+
+
+def engine_on(device: torch.device) -> None:
+    """Ready megatron-core's schedules, DDP and optimizer for a run on `device`: on CPU their
+    hard-coded CUDA allocations are moved to the CPU (models/megatron_on_cpu.py, a process-
+    wide rebinding in megatron's modules); nothing on GPU."""
+    if device.type == "cpu":
+        from ...models import megatron_on_cpu
+
+        megatron_on_cpu.rebind()
+
+
+def building_stages(device: torch.device):
+    """Around building pipeline stages on `device`: on CPU, megatron's `tensor.cuda()` of a
+    tied embedding's copy on the last stage keeps the tensor where it is; nothing on GPU."""
+    if device.type == "cpu":
+        from ...models import megatron_on_cpu
+
+        return megatron_on_cpu.tensor_cuda_stays()
+    return contextlib.nullcontext()
+
+
+def pipeline_overrides(device: torch.device, pipeline_parallel: int) -> dict[str, Any]:
+    """TransformerConfig fields of the pipeline's point-to-point traffic: gloo (CPU)
+    reorders batched sends and receives, so they go one by one there."""
+    if pipeline_parallel > 1 and device.type == "cpu":
+        return {"batch_p2p_comm": False}
+    return {}
+
+
+# ---- the config and the plan ------------------------------------------------------------
+
+
+def config_problem(cfg) -> str | None:
+    """What megatron's engine cannot do with the rest of the config, in one line (None:
+    nothing)."""
+    parallel = cfg.parallel
+    if cfg.train.checkpoints and not cfg.train.layout_free_checkpoints:
+        return (
+            "train.layout_free_checkpoints=false keeps DeepSpeed's own optimizer state, which "
+            "train.engine=megatron has not: its checkpoints are layout-free (drop the override)"
+        )
+    if parallel.virtual_pipeline_parallel is not None:
+        if parallel.pipeline_parallel == 1:
+            return "parallel.virtual_pipeline_parallel needs parallel.pipeline_parallel > 1"
+        chunks = parallel.pipeline_parallel * parallel.virtual_pipeline_parallel
+        uneven = parallel.first_stage_layers is not None or parallel.last_stage_layers is not None
+        if uneven:
+            return (
+                "parallel.first_stage_layers / last_stage_layers with "
+                "parallel.virtual_pipeline_parallel: not supported here (every model chunk "
+                "gets the same number of layers)"
+            )
+        if cfg.model.num_layers % chunks:
+            return (
+                f"model.num_layers={cfg.model.num_layers} does not split into "
+                f"parallel.pipeline_parallel x virtual_pipeline_parallel = {chunks} equal chunks"
+            )
+    elif parallel.pipeline_parallel > 1:
+        return _stage_split_problem(cfg.model.num_layers, parallel)
+    elif parallel.first_stage_layers is not None or parallel.last_stage_layers is not None:
+        return "parallel.first_stage_layers / last_stage_layers need parallel.pipeline_parallel > 1"
+    return None
+
+
+def _stage_split_problem(layers: int, parallel) -> str | None:
+    """Whether `layers` split over the pipeline's stages as parallel.first_stage_layers /
+    last_stage_layers ask (megatron's rule: the stages between split the rest evenly)."""
+    pp, first, last = (
+        parallel.pipeline_parallel,
+        parallel.first_stage_layers,
+        parallel.last_stage_layers,
+    )
+    rest, middle = (
+        layers - (first or 0) - (last or 0),
+        pp - (first is not None) - (last is not None),
+    )
+    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+        given = ", ".join(
+            f"parallel.{n}={v}"
+            for n, v in (("first_stage_layers", first), ("last_stage_layers", last))
+            if v is not None
+        )
+        return (
+            f"model.num_layers={layers} does not split over parallel.pipeline_parallel={pp} "
+            f"stages{' with ' + given if given else ''}: the stages "
+            f"{'between ' if given else ''}take equal shares"
+        )
+    return None
+
+
+def memory_plan(cfg, world_size: int, gpu_memory_gib: float | None):
+    """Each pipeline stage's GPU (its layers, the embedding on the first, output layer and
+    logits on the last, the activations of the micro-batches it holds at once: `in_flight`),
+    on megatron's distributed optimizer; the plan of the stage that needs the most."""
+    from .. import plan
+
+    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    virtual = cfg.parallel.virtual_pipeline_parallel
+    dp = cfg.data_parallel_size(world_size)
+    micro_batches = cfg.accumulation_steps(world_size)
+    distributed = engine_choices(torch.device("cuda")).distributed_optimizer
+    b, s = cfg.train.micro_batch_size, cfg.train.seq_len
+    recompute = cfg.train.activation_checkpointing
+    plans = []
+    for stage, layers in enumerate(plan.stage_layers(cfg)):
+        first, last = stage == 0, stage == pp - 1
+        per_gpu = plan.megatron_state_bytes(
+            plan.rank_tensors(cfg.model, tp, (layers, first, last)), dp, distributed
+        )
+        chunk_layers = layers // (virtual or 1)
+        held = plan.in_flight(pp, stage, micro_batches, virtual)
+        one = plan.activation_bytes(cfg.model, tp, b, s, recompute, 2, layers=chunk_layers)
+        per_gpu["activations"] = held * one
+        per_gpu["logits"] = plan.logits_bytes(cfg.model, tp, b, s, 2) if last else 0
+        per_gpu["reserve"] = plan.RESERVE
+        per_gpu["total"] = sum(per_gpu.values())
+        plans.append((per_gpu["total"], stage, per_gpu))
+    _, stage, per_gpu = max(plans, key=lambda found: found[0])
+    memory, label = plan.device_memory(gpu_memory_gib)
+    return plan.Plan(plan.count_parameters(cfg.model, tp), per_gpu, memory, label, stage=stage)
+
+
+# ---- the engine -------------------------------------------------------------------------
+
+
+class _Megatron:
+    """megatron-core's engine behind the loop's protocol (training/engines.EngineKind)."""
+
+    name = "megatron"
+    owner = "megatron-core's"
+
+    def describe(self, cfg) -> str:
+        return "megatron-core's engine"
+
+    def config_problem(self, cfg) -> str | None:
+        return config_problem(cfg)
+
+    def layout(self, cfg, world: int):
+        # no ZeRO stage: megatron's engine shards with its distributed optimizer
+        return run_layout(cfg, world, self.name, zero_stage=None)
+
+    def memory_plan(self, cfg, world: int, gpu_memory_gib: float | None):
+        return memory_plan(cfg, world, gpu_memory_gib)
+
+    def reads_data(self, cfg) -> bool:
+        """All ranks but the pipeline stages between the first (tokens) and the last
+        (labels, loss mask), which take activations only, as in Megatron-LM's get_batch."""
+        if cfg.parallel.pipeline_parallel == 1:
+            return True
+        flags = stage_flags(cfg.parallel.virtual_pipeline_parallel)
+        return any(pre or post for pre, post, _ in flags)
+
+    def build(self, cfg, device: torch.device, tokenizer, schedule, world: int) -> Built:
+        chunks = build_stages(cfg, device, tokenizer)
+        engine, scheduler = wrap(cfg, device, chunks, schedule)
+        count = parameter_count(engine, device) * cfg.parallel.tensor_parallel
+        progress.model_built(count, self.owner)
+        return Built(engine, scheduler, count)
+
+    def step(self, run, micro_batches, probe, stop, writing) -> EngineStep:
+        return train_step(run, micro_batches, probe, stop, writing)
+
+    def score(self, run, batch):
+        return score(run, batch)
+
+    def evaluation_weights(self, engine):
+        return synced_weights(engine)
+
+    def checkpoint_adapter(self, run):
+        from .megatron_checkpoint import MegatronAdapter
+
+        return MegatronAdapter(run.engine, dp_rank=run.dp_rank)
+
+    def native_state(self, engine) -> None:
+        return None  # its checkpoints are layout-free only
+
+
+KIND = _Megatron()

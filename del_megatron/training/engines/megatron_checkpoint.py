@@ -1,4 +1,4 @@
-"""The megatron engine's adapter (train.engine=megatron, training/megatron_engine.py): where
+"""The megatron engine's adapter (train.engine=megatron, training/engines/megatron.py): where
 megatron-core's optimizer keeps each parameter's fp32 master and Adam moments, over this
 rank's pipeline stage (its model chunks, parameters named as the whole model names them:
 models/sharding.global_name).
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from ...checkpoint.adapter import FP32, saved_buffers
 from ...models.sharding import global_name
-from . import FP32, saved_buffers
 
 
 @dataclass(frozen=True)
@@ -103,9 +103,9 @@ def _is_tied_copy(chunk: torch.nn.Module, name: str) -> bool:
 
 @dataclass
 class MegatronAdapter:
-    """The layout-free state's view of a MegatronEngine (engines/__init__.Adapter)."""
+    """The layout-free state's view of a MegatronEngine (checkpoint/adapter.Adapter)."""
 
-    engine: Any  # training/megatron_engine.MegatronEngine
+    engine: Any  # training/engines/megatron.MegatronEngine
     dp_rank: int
     pp_rank: int | None = field(init=False)
     holders: dict[int, _Holder] = field(init=False, repr=False)
@@ -249,7 +249,7 @@ class MegatronAdapter:
     def host_weights(self, keep: bool) -> dict[str, torch.Tensor]:
         """{global name: host copy} of this stage's parameters when `keep`, gathered first
         where the last step's gather waits for the next forward (`synced_weights`)."""
-        from ...training.megatron_engine import synced_weights
+        from .megatron import synced_weights
 
         with synced_weights(self.engine):
             return {

@@ -28,7 +28,7 @@ import yaml
 from pydantic import BaseModel
 
 from ..config import ConfigError, RunConfig
-from ..training.schedule import Schedule, saved_schedule
+from .schedule import Schedule, saved_schedule
 
 
 class Effect(Enum):

@@ -30,17 +30,16 @@ from typing import Any
 
 import torch
 
+from ...checkpoint import writer
+from ...checkpoint.adapter import FP32, saved_buffers, trained_parameters
+from ...checkpoint.directory import CheckpointError
+from ...checkpoint.native import TAG
 from ...errors import one_line
-from .. import writer
-from ..directory import CheckpointError
-from . import FP32, saved_buffers, trained_parameters
-
-TAG = "state"  # the directory (DeepSpeed's "tag") of DeepSpeed's own files
 
 
 @dataclass(frozen=True)
 class DeepSpeedAdapter:
-    """The layout-free state's view of a DeepSpeed engine (engines/__init__.Adapter)."""
+    """The layout-free state's view of a DeepSpeed engine (checkpoint/adapter.Adapter)."""
 
     engine: Any
     zero3: bool
@@ -239,7 +238,7 @@ def _local_piece(param: torch.nn.Parameter, key: str) -> torch.Tensor:
     return safe_get_local_optimizer_state(param, key)
 
 
-# ---- DeepSpeed's own checkpoint files (train.layout_free_checkpoints=false) ----------
+# ---- DeepSpeed's own checkpoint files (train.layout_free_checkpoints=false) -------------
 
 
 def host_weights(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, torch.Tensor]:
@@ -255,6 +254,19 @@ def host_weights(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, 
             if keep:  # a copy: the next step changes the parameter (on CPU, in place)
                 weights[name] = param.detach().to("cpu", copy=True)
     return weights
+
+
+@dataclass(frozen=True)
+class DeepSpeedNativeState:
+    """DeepSpeed's own per-rank state (checkpoint/adapter.NativeState), under native.TAG."""
+
+    engine: Any
+
+    def save_job(self, directory: Path, step: int) -> writer.Job:
+        return native_save(self.engine, directory, step)
+
+    def load(self, path: Path) -> None:
+        native_load(self.engine, path)
 
 
 def native_save(engine: Any, directory: Path, step: int) -> writer.Job:
@@ -292,23 +304,3 @@ def native_load(engine: Any, path: Path) -> None:
     # DeepSpeed's ZeRO 1/2 load unlinks the moments from its safe_get API, which the next
     # layout-free save reads them through
     ensure_adam_state(engine.optimizer)
-
-
-def native_files(meta: dict[str, Any]) -> list[tuple[str, ...]]:
-    """DeepSpeed's files of a checkpoint that a resume at its saved layout reads (DeepSpeed
-    0.19.8's names; a bf16 run's optimizer files carry a `bf16_` prefix, either is taken)."""
-    tp, dp, zero = meta.get("tensor_parallel"), meta.get("data_parallel"), meta.get("zero_stage")
-    if not isinstance(tp, int) or not isinstance(dp, int) or zero is None:
-        return []  # saved before the layout was recorded: DeepSpeed's own load says
-    names = []
-    for t in range(tp):
-        if zero == 3:
-            names += [f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt" for d in range(dp)]
-        else:
-            names.append(f"mp_rank_{t:02d}_model_states.pt")
-        names += [f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for d in range(dp)]
-    # each file as named, or with the prefix DeepSpeed gives a bf16 run's zero_pp_rank files
-    return [
-        (f"{TAG}/{n}", f"{TAG}/bf16_{n}") if n.startswith("zero_pp_rank_") else (f"{TAG}/{n}",)
-        for n in names
-    ]

@@ -1,0 +1,54 @@
+"""The run's model on a device, as every engine builds it (a whole model for DeepSpeed's, one
+chunk per virtual stage for megatron's): the one builder, the initial weights, EMO's cost
+embedding frozen from them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import RunConfig
+from .initial_weights import initialize_weights, open_initial_weights
+
+
+def build_model(
+    cfg: RunConfig,
+    device: torch.device,
+    tokenizer,
+    *,
+    stage: tuple[bool, bool, int | None] = (True, True, None),
+    seed_offset: int = 0,
+    **overrides: Any,
+) -> torch.nn.Module:
+    """The run's model on `device` (megatron's parallel state initialized): built by the one
+    builder (`models/llama.build_llama`: RNGs seeded with train.seed, megatron's random init
+    skipped when initial weights load right after), the initial weights loaded, the EMO cost
+    embedding frozen from them. stage: (pre_process, post_process, vp_stage) of a pipeline
+    stage's model chunk (`engines/megatron.stage_flags`); seed_offset: added to train.seed
+    (`engines/megatron.build_stages`); overrides: TransformerConfig fields."""
+    from ..models import build_llama
+    from ..models.spec import recompute_overrides
+
+    initial = open_initial_weights(cfg)
+    pre_process, post_process, vp_stage = stage
+    model = build_llama(
+        cfg.model,
+        tokenizer.digit_vocab,
+        cfg.loss,
+        device,
+        seed=cfg.train.seed + seed_offset,
+        weights_follow=initial is not None,
+        # both engines' backward is of loss_func's sum times one factor (DeepSpeed's
+        # loss_sum * scale, megatron's grad_scale_func): the fused loss's backward scales
+        # its gradient on the device, no host read
+        promise_scaled_loss=True,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        **recompute_overrides(device, cfg.train.activation_checkpointing),
+        **overrides,
+    )
+    initialize_weights(cfg, model, initial)
+    model.freeze_emo_cost_embedding()  # from the weights the run starts from
+    return model
