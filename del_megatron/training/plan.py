@@ -1,9 +1,10 @@
-"""A run's memory plan per GPU, before anything is allocated: parameters, model states by ZeRO
-stage as DeepSpeed allocates them for the run's own DeepSpeed config (bf16 weights,
-gradients summed and reduced in float32: `engines/deepspeed.deepspeed_config`), DeepSpeed's
-buffers, activations at the configured micro-batch, sequence and recompute, the logits of
-the loss, against the device. A test trains DeepSpeed's engine at every stage and counts its tensors
-(tests/distributed/test_zero_memory.py).
+"""A run's memory plan per GPU, before anything is allocated: the terms every engine's plan
+is made of (parameters, each rank's tensors, activations at the configured micro-batch,
+sequence and recompute, the logits of the loss, the reserve, the device), and `plan_run`,
+which asks the run's engine for its plan (`EngineKind.memory_plan`): the model states as
+each engine allocates them are the engine's (DeepSpeed's ZeRO stages:
+engines/deepspeed.model_state_bytes, counted from DeepSpeed's engine by
+tests/distributed/test_zero_memory.py; megatron's stages: engines/megatron.py).
 
 Activations are an estimate for megatron-core's Llama layer in bf16 without sequence
 parallelism and with flash attention (no [s, s] score matrix kept: Transformer Engine's
@@ -87,113 +88,6 @@ def rank_tensors(
     if first and last and arch.tie_word_embeddings:
         embeddings = [vocab]
     return embeddings + layer * layers + ([h] if last else [])
-
-
-def stage_layers(cfg) -> list[int]:
-    """The decoder layers of each pipeline stage (all its virtual stages together), as
-    megatron splits them: parallel.first_stage_layers / last_stage_layers where set, the
-    rest evenly (config.py refuses a split that is not)."""
-    parallel, layers = cfg.parallel, cfg.model.num_layers
-    pp, first, last = (
-        parallel.pipeline_parallel,
-        parallel.first_stage_layers,
-        parallel.last_stage_layers,
-    )
-    middle = pp - (first is not None) - (last is not None)
-    even = (layers - (first or 0) - (last or 0)) // middle if middle else 0
-    split = [even] * pp
-    if first is not None:
-        split[0] = first
-    if last is not None:
-        split[-1] = last
-    return split
-
-
-def in_flight(pp: int, stage: int, micro_batches: int, virtual: int | None) -> int:
-    """Micro-batches whose activations one stage holds at once under megatron's schedules
-    (per model chunk with virtual stages): 1F1B's warm-up, pp - stage (at most the step's
-    micro-batches); interleaved, its warm-up of (pp - stage - 1) x 2 + (v - 1) x pp chunks,
-    plus the one in steady state, in chunk-micro-batches."""
-    if virtual is None:
-        return min(micro_batches, pp - stage)
-    return min(micro_batches * virtual, (pp - stage - 1) * 2 + (virtual - 1) * pp + 1)
-
-
-def megatron_state_bytes(tensors: list[int], data_parallel: int, distributed: bool) -> dict:
-    """What megatron-core's engine allocates for the parameters `tensors` of one rank, with
-    bf16 weights, its float32 gradient buffer (grad_reduce_in_fp32, whole on every rank)
-    and Adam's float32 master weights and two moments, 12 bytes a parameter, sharded over
-    the data-parallel ranks by the distributed optimizer (whole without it)."""
-    params = sum(tensors)
-    optimizer = 12 * params // (data_parallel if distributed else 1)
-    return {"weights": 2 * params, "gradients": 4 * params, "optimizer": optimizer, "buffers": 0}
-
-
-@dataclass(frozen=True)
-class ZeroSizes:
-    """The sizes (in elements) of DeepSpeed's zero_optimization section that allocate memory:
-    DeepSpeed's defaults (deepspeed/runtime/zero/config.py, checked against it by a test)
-    unless the run's DeepSpeed config sets them."""
-
-    reduce_bucket_size: int = 500_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    stage3_param_persistence_threshold: int = 100_000
-
-    @classmethod
-    def of(cls, zero_optimization: dict) -> ZeroSizes:
-        names = cls.__dataclass_fields__
-        return cls(**{k: int(v) for k, v in zero_optimization.items() if k in names})
-
-
-def model_state_bytes(
-    tensors: list[int], largest_layer: int, data_parallel: int, zero_stage: int, sizes: ZeroSizes
-) -> dict[str, int]:
-    """What DeepSpeed allocates on one GPU for the parameters `tensors` of one tensor-parallel
-    rank (element counts) with bf16 weights and gradients summed and reduced in float32, the
-    run's DeepSpeed config (deepspeed 0.19.8; torch's AdamW: float32 master weights and two
-    moments, 12 bytes a parameter, partitioned at every stage). By part:
-
-    * stage 1: DeepSpeed's BF16_Optimizer (its choice for bf16 with float32 accumulation at
-      stage 1): whole bf16 weights, a float32 gradient buffer of every parameter and the
-      bf16 `.grad` beside it on every rank (runtime/bf16_optimizer.py), 8 bytes a parameter
-      whatever the data-parallel size, and its reduction all-reduces that whole buffer;
-    * stage 2: whole bf16 weights, the float32 gradients of this rank's partition only
-      (stage_1_and_2.py's compact partition buffer); buffers: the bf16 reduce bucket
-      (`reduce_bucket_size`), its float32 copy for the reduce-scatter and the bf16 gradient
-      of the largest layer before it is copied into the bucket, during backward;
-    * stage 3: this rank's partition of the bf16 weights and of the float32 gradients, the
-      persistent parameters (at most `stage3_param_persistence_threshold` elements each)
-      whole; buffers: the float32 reduce bucket, held for the whole run (stage3.py), and the
-      parameters gathered in forward and backward: every one reused within
-      `stage3_max_reuse_distance` stays gathered between its forward and its backward (the
-      whole model when it is smaller), plus the prefetch bucket and the layer at work.
-    """
-    n, params = data_parallel, sum(tensors)
-    optimizer = 12 * params // n
-    if zero_stage == 1:
-        gradients = 4 * params + 2 * params  # float32 and bf16, of every parameter
-        return {"weights": 2 * params, "gradients": gradients, "optimizer": optimizer, "buffers": 0}
-    if zero_stage == 2:
-        bucket = sizes.reduce_bucket_size
-        return {
-            "weights": 2 * params,
-            "gradients": 4 * params // n,
-            "optimizer": optimizer,
-            "buffers": 2 * bucket + 4 * min(bucket, params) + 2 * largest_layer,
-        }
-    threshold = sizes.stage3_param_persistence_threshold
-    persistent = sum(t for t in tensors if t <= threshold)
-    gathered = min(
-        params - persistent,
-        sizes.stage3_max_reuse_distance + sizes.stage3_prefetch_bucket_size + largest_layer,
-    )
-    return {
-        "weights": 2 * params // n + 2 * persistent,
-        "gradients": 4 * params // n,
-        "optimizer": optimizer,
-        "buffers": 4 * sizes.reduce_bucket_size + 2 * gathered + 2 * largest_layer,
-    }
 
 
 def activation_bytes(

@@ -1,7 +1,7 @@
 """The memory plan is what DeepSpeed allocates: its engine at ZeRO 1, 2 and 3 under the run's
 own DeepSpeed config for a GPU run (bf16, gradients summed and reduced in float32), 2
 data-parallel ranks on gloo, every live tensor counted (workers/zero_memory.py), against
-`plan.model_state_bytes` for the same tensors.
+`engines/deepspeed.model_state_bytes` for the same tensors.
 
 On the code before, the plan took DeepSpeed's estimators, which assume bf16 gradients: at
 ZeRO 1 (then the default stage) DeepSpeed's BF16_Optimizer held 14.0 bytes a parameter at DP
@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from del_megatron.training.plan import ZeroSizes, model_state_bytes
+from del_megatron.training.engines.deepspeed import ZeroSizes, model_state_bytes
 
 from .launcher import run_torchrun
 

@@ -9,14 +9,8 @@ import pytest
 
 from del_megatron.cli.train import main
 from del_megatron.config import load_run_config
-from del_megatron.training.plan import (
-    GIB,
-    ZeroSizes,
-    count_parameters,
-    model_state_bytes,
-    plan_run,
-    rank_tensors,
-)
+from del_megatron.training.engines.deepspeed import ZeroSizes, model_state_bytes
+from del_megatron.training.plan import GIB, count_parameters, plan_run, rank_tensors
 
 from ..distributed.launcher import ROOT
 
@@ -177,7 +171,7 @@ def _pipelined(name: str, **parallel):
 def test_stage_tensors_add_up_to_the_model_with_a_tied_copy(tied, first):
     """The stages' tensors are the model's, the last stage's copy of a tied embedding
     besides; the split follows parallel.first_stage_layers."""
-    from del_megatron.training.plan import stage_layers
+    from del_megatron.training.engines.megatron import stage_layers
 
     name = "qwen2.5_1.5b" if tied else "mistral_7b"
     cfg = _pipelined(name, pipeline_parallel=4, first_stage_layers=first)
@@ -190,7 +184,7 @@ def test_stage_tensors_add_up_to_the_model_with_a_tied_copy(tied, first):
 
 
 def test_in_flight_micro_batches_follow_megatrons_warm_up():
-    from del_megatron.training.plan import in_flight
+    from del_megatron.training.engines.megatron import in_flight
 
     assert [in_flight(4, s, 8, None) for s in range(4)] == [4, 3, 2, 1]
     assert in_flight(4, 0, 2, None) == 2  # fewer micro-batches than stages

@@ -11,6 +11,7 @@ beside it (deepspeed_checkpoint.py).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -83,9 +84,79 @@ def config_problem(cfg) -> str | None:
     return None
 
 
+# ---- the ZeRO memory model ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZeroSizes:
+    """The sizes (in elements) of DeepSpeed's zero_optimization section that allocate memory:
+    DeepSpeed's defaults (deepspeed/runtime/zero/config.py, checked against it by a test)
+    unless the run's DeepSpeed config sets them."""
+
+    reduce_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_param_persistence_threshold: int = 100_000
+
+    @classmethod
+    def of(cls, zero_optimization: dict) -> ZeroSizes:
+        names = cls.__dataclass_fields__
+        return cls(**{k: int(v) for k, v in zero_optimization.items() if k in names})
+
+
+def model_state_bytes(
+    tensors: list[int], largest_layer: int, data_parallel: int, zero_stage: int, sizes: ZeroSizes
+) -> dict[str, int]:
+    """What DeepSpeed allocates on one GPU for the parameters `tensors` of one tensor-parallel
+    rank (element counts) with bf16 weights and gradients summed and reduced in float32, the
+    run's DeepSpeed config (deepspeed 0.19.8; torch's AdamW: float32 master weights and two
+    moments, 12 bytes a parameter, partitioned at every stage). By part:
+
+    * stage 1: DeepSpeed's BF16_Optimizer (its choice for bf16 with float32 accumulation at
+      stage 1): whole bf16 weights, a float32 gradient buffer of every parameter and the
+      bf16 `.grad` beside it on every rank (runtime/bf16_optimizer.py), 8 bytes a parameter
+      whatever the data-parallel size, and its reduction all-reduces that whole buffer;
+    * stage 2: whole bf16 weights, the float32 gradients of this rank's partition only
+      (stage_1_and_2.py's compact partition buffer); buffers: the bf16 reduce bucket
+      (`reduce_bucket_size`), its float32 copy for the reduce-scatter and the bf16 gradient
+      of the largest layer before it is copied into the bucket, during backward;
+    * stage 3: this rank's partition of the bf16 weights and of the float32 gradients, the
+      persistent parameters (at most `stage3_param_persistence_threshold` elements each)
+      whole; buffers: the float32 reduce bucket, held for the whole run (stage3.py), and the
+      parameters gathered in forward and backward: every one reused within
+      `stage3_max_reuse_distance` stays gathered between its forward and its backward (the
+      whole model when it is smaller), plus the prefetch bucket and the layer at work.
+    """
+    n, params = data_parallel, sum(tensors)
+    optimizer = 12 * params // n
+    if zero_stage == 1:
+        gradients = 4 * params + 2 * params  # float32 and bf16, of every parameter
+        return {"weights": 2 * params, "gradients": gradients, "optimizer": optimizer, "buffers": 0}
+    if zero_stage == 2:
+        bucket = sizes.reduce_bucket_size
+        return {
+            "weights": 2 * params,
+            "gradients": 4 * params // n,
+            "optimizer": optimizer,
+            "buffers": 2 * bucket + 4 * min(bucket, params) + 2 * largest_layer,
+        }
+    threshold = sizes.stage3_param_persistence_threshold
+    persistent = sum(t for t in tensors if t <= threshold)
+    gathered = min(
+        params - persistent,
+        sizes.stage3_max_reuse_distance + sizes.stage3_prefetch_bucket_size + largest_layer,
+    )
+    return {
+        "weights": 2 * params // n + 2 * persistent,
+        "gradients": 4 * params // n,
+        "optimizer": optimizer,
+        "buffers": 4 * sizes.reduce_bucket_size + 2 * gathered + 2 * largest_layer,
+    }
+
+
 def memory_plan(cfg, world_size: int, gpu_memory_gib: float | None):
-    """Bytes per GPU under DeepSpeed's ZeRO stage (training/plan.model_state_bytes: counted
-    from DeepSpeed's engine), activations, logits and a reserve."""
+    """Bytes per GPU under DeepSpeed's ZeRO stage (`model_state_bytes`: counted from
+    DeepSpeed's engine), activations, logits and a reserve (training/plan.py's terms)."""
     from .. import plan
 
     tp = cfg.parallel.tensor_parallel
@@ -94,12 +165,12 @@ def memory_plan(cfg, world_size: int, gpu_memory_gib: float | None):
     recompute = cfg.train.activation_checkpointing
     b, s = cfg.train.micro_batch_size, cfg.train.seq_len
     zero = deepspeed_config(cfg, world_size, gpu=True)["zero_optimization"]
-    per_gpu = plan.model_state_bytes(
+    per_gpu = model_state_bytes(
         plan.rank_tensors(cfg.model, tp),
         params.largest_layer,
         dp,
         zero["stage"],
-        plan.ZeroSizes.of(zero),
+        ZeroSizes.of(zero),
     )
     per_gpu["activations"] = plan.activation_bytes(cfg.model, tp, b, s, recompute, 2)
     per_gpu["logits"] = plan.logits_bytes(cfg.model, tp, b, s, 2)

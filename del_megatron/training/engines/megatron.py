@@ -452,6 +452,46 @@ def _stage_split_problem(layers: int, parallel) -> str | None:
     return None
 
 
+def stage_layers(cfg) -> list[int]:
+    """The decoder layers of each pipeline stage (all its virtual stages together), as
+    megatron splits them: parallel.first_stage_layers / last_stage_layers where set, the
+    rest evenly (config.py refuses a split that is not)."""
+    parallel, layers = cfg.parallel, cfg.model.num_layers
+    pp, first, last = (
+        parallel.pipeline_parallel,
+        parallel.first_stage_layers,
+        parallel.last_stage_layers,
+    )
+    middle = pp - (first is not None) - (last is not None)
+    even = (layers - (first or 0) - (last or 0)) // middle if middle else 0
+    split = [even] * pp
+    if first is not None:
+        split[0] = first
+    if last is not None:
+        split[-1] = last
+    return split
+
+
+def in_flight(pp: int, stage: int, micro_batches: int, virtual: int | None) -> int:
+    """Micro-batches whose activations one stage holds at once under megatron's schedules
+    (per model chunk with virtual stages): 1F1B's warm-up, pp - stage (at most the step's
+    micro-batches); interleaved, its warm-up of (pp - stage - 1) x 2 + (v - 1) x pp chunks,
+    plus the one in steady state, in chunk-micro-batches."""
+    if virtual is None:
+        return min(micro_batches, pp - stage)
+    return min(micro_batches * virtual, (pp - stage - 1) * 2 + (virtual - 1) * pp + 1)
+
+
+def megatron_state_bytes(tensors: list[int], data_parallel: int, distributed: bool) -> dict:
+    """What megatron-core's engine allocates for the parameters `tensors` of one rank, with
+    bf16 weights, its float32 gradient buffer (grad_reduce_in_fp32, whole on every rank)
+    and Adam's float32 master weights and two moments, 12 bytes a parameter, sharded over
+    the data-parallel ranks by the distributed optimizer (whole without it)."""
+    params = sum(tensors)
+    optimizer = 12 * params // (data_parallel if distributed else 1)
+    return {"weights": 2 * params, "gradients": 4 * params, "optimizer": optimizer, "buffers": 0}
+
+
 def memory_plan(cfg, world_size: int, gpu_memory_gib: float | None):
     """Each pipeline stage's GPU (its layers, the embedding on the first, output layer and
     logits on the last, the activations of the micro-batches it holds at once: `in_flight`),
@@ -466,13 +506,13 @@ def memory_plan(cfg, world_size: int, gpu_memory_gib: float | None):
     b, s = cfg.train.micro_batch_size, cfg.train.seq_len
     recompute = cfg.train.activation_checkpointing
     plans = []
-    for stage, layers in enumerate(plan.stage_layers(cfg)):
+    for stage, layers in enumerate(stage_layers(cfg)):
         first, last = stage == 0, stage == pp - 1
-        per_gpu = plan.megatron_state_bytes(
+        per_gpu = megatron_state_bytes(
             plan.rank_tensors(cfg.model, tp, (layers, first, last)), dp, distributed
         )
         chunk_layers = layers // (virtual or 1)
-        held = plan.in_flight(pp, stage, micro_batches, virtual)
+        held = in_flight(pp, stage, micro_batches, virtual)
         one = plan.activation_bytes(cfg.model, tp, b, s, recompute, 2, layers=chunk_layers)
         per_gpu["activations"] = held * one
         per_gpu["logits"] = plan.logits_bytes(cfg.model, tp, b, s, 2) if last else 0
