@@ -115,7 +115,9 @@ def gather_object(obj: Any, *, group: dist.ProcessGroup | None = None) -> list |
         return [obj]
     first = dist.get_rank(group) == 0
     gathered: list[Any] | None = [None] * dist.get_world_size(group) if first else None
-    dist.gather_object(obj, gathered, group=group, group_dst=0)
+    # dst as a global rank: group_dst came with torch 2.6, pyproject admits 2.4
+    dst = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.gather_object(obj, gathered, dst=dst, group=group)
     return gathered
 
 
