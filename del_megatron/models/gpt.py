@@ -152,6 +152,27 @@ class NumericLossGPTModel(GPTModel):
         head = self.head if self.post_process else None
         return head is not None and not head.fused and head.cfg.kind_spec.digit_term is not None
 
+    def _before_reading_output_weight(self, hidden_states) -> None:
+        """The fused head reads the output layer's weight without calling the layer: run the
+        layer's forward pre-hooks first, as calling it would. Hook-driven gathering waits
+        there: megatron's DistributedDataParallel with overlap_param_gather finishes the
+        weight's bucket all-gather in such a hook (`finish_param_sync`); read before it, the
+        weight is mid-gather and the next step asserts on the bucket's pending handle. Not
+        under DeepSpeed's ZeRO 3 (a partitioned weight has `ds_id`), whose hooks gather and
+        release a module around its own forward and which gathers this weight as one read
+        inside the engine's forward (docs/architecture.md, "Decisions"). A tied weight on the
+        first stage belongs to the embedding, whose forward ran in this same forward."""
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            return
+        layer = self.output_layer
+        if hasattr(layer.weight, "ds_id"):
+            return
+        for key, hook in layer._forward_pre_hooks.items():
+            if key in layer._forward_pre_hooks_with_kwargs:
+                hook(layer, (hidden_states,), {})
+            else:
+                hook(layer, (hidden_states,))
+
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         """With labels: the loss head, on the hidden states [s, b, h] and the output weight
         when the head is fused (the output layer and the loss in token chunks), else on the
@@ -169,6 +190,7 @@ class NumericLossGPTModel(GPTModel):
             # as in megatron's output layer: identity forward, all-reduce of the input
             # gradient (each rank's is a partial sum over its vocabulary shard) in backward
             hidden = copy_to_tensor_model_parallel_region(hidden_states, group=group)
+            self._before_reading_output_weight(hidden_states)
             return self.head(labels, loss_mask, group, hidden=hidden, output_weight=weight)
         logits, _ = self.output_layer(
             hidden_states, weight=weight if self.share_embeddings_and_output_weights else None
