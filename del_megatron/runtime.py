@@ -11,6 +11,8 @@ import io
 
 import torch
 
+from .errors import UserError
+
 
 def resolve_device(requested: str) -> torch.device:
     """'auto' -> cuda when available, else cpu; a named device must exist."""
@@ -39,13 +41,30 @@ def deterministic_algorithms(enabled: bool) -> None:
     """train.deterministic: torch's deterministic kernels only, an error where an op has
     none (torch.use_deterministic_algorithms; embedding and attention backwards, scatters and
     index adds take their ordered forms), and cuBLAS's workspace fixed before its first use
-    (CUBLAS_WORKSPACE_CONFIG, which it reads then): what two runs need to repeat bit for
-    bit. Call before the first CUDA kernel."""
+    (CUBLAS_WORKSPACE_CONFIG, which it reads then), and what the other libraries read:
+    Transformer Engine's NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, NCCL's ring algorithm
+    (NCCL_ALGO; another one refused in one line), megatron's deterministic_mode (on the
+    model's config): what two runs need to repeat bit for bit, as Megatron-LM's
+    --deterministic-mode asks. Call before the first CUDA kernel and the first
+    communicator."""
     import os
 
-    if enabled:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+    if not enabled:
+        return
+    algorithm = os.environ.get("NCCL_ALGO")
+    if algorithm is not None and algorithm.lower() not in ("ring", "tree"):
+        raise UserError(
+            f"train.deterministic needs NCCL_ALGO=Ring or Tree (set: {algorithm}): other "
+            "algorithms (NVLS, CollNet) reduce in an order that can change between runs"
+        )
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # Transformer Engine's attention picks only deterministic kernels with this at 0 (read
+    # when its attention runs); NCCL's ring reduces in a fixed order (read at communicator
+    # creation, after this); megatron's own deterministic_mode is set on the model's
+    # TransformerConfig (training/build.py)
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    torch.use_deterministic_algorithms(True)
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ def build_model(
         post_process=post_process,
         vp_stage=vp_stage,
         **recompute_overrides(device, cfg.train.activation_checkpointing),
+        **({"deterministic_mode": True} if cfg.train.deterministic else {}),
         **overrides,
     )
     initialize_weights(cfg, model, initial)
