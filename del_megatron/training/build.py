@@ -12,6 +12,24 @@ from ..config import RunConfig
 from .initial_weights import initialize_weights, open_initial_weights
 
 
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Whether weight decay applies to `param`: not to norm weights and biases (the 1-D
+    parameters and `.bias`), megatron-core's rule (its optimizer's wd_mult=0 groups), which
+    Megatron-LM, Hugging Face's Trainer and nanoGPT follow; both engines group by it."""
+    return param.ndim > 1 and not name.endswith(".bias")
+
+
+def parameter_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """The model's trained parameters in optimizer groups: decayed (the optimizer's
+    weight_decay), then the rest at weight_decay 0 (`decays`); an empty group left out."""
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in trained if decays(n, p)]},
+        {"params": [p for n, p in trained if not decays(n, p)], "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
 def build_model(
     cfg: RunConfig,
     device: torch.device,

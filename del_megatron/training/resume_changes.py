@@ -156,8 +156,8 @@ TABLE: dict[str, Rule] = {
     "train.background_checkpoints": _INTERVAL,
     "train.max_nonfinite_steps": _INTERVAL,
     "train.engine": _changes(
-        "the other engine from the layout-free state; megatron's optimizer, as Megatron-LM's, "
-        "decays no bias or norm weight, DeepSpeed's decays all"
+        "the other engine from the layout-free state; both decay the same parameters (no "
+        "norm weight or bias)"
     ),
     "train.checkpoints": _INTERVAL,
     "data.tokenizer": _same("compared by content: another tokenizer is refused"),

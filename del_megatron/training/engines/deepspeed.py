@@ -19,7 +19,7 @@ import torch
 from ... import collectives
 from ...runtime import batch_to_device
 from .. import progress
-from ..build import build_model
+from ..build import build_model, parameter_groups
 from ..metrics import PairSum
 from ..signals import StopRequest, agree
 from . import Built, EngineStep, run_layout
@@ -196,7 +196,7 @@ def build(cfg, device: torch.device, tokenizer, schedule, world: int) -> Built:
 
     engine, _, _, lr_scheduler = deepspeed.initialize(
         model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        model_parameters=parameter_groups(model),  # no decay on norms and biases
         config=deepspeed_config(cfg, world, gpu=device.type == "cuda"),
         mpu=MegatronMPU(),
         lr_scheduler=scheduler,

@@ -148,6 +148,7 @@ def wrap(cfg, device: torch.device, chunks: list[torch.nn.Module], schedule) -> 
         wrapped,
         use_gloo_process_groups=False,  # none exist (parallel.init_model_parallel)
     )
+    apply_group_multipliers(optimizer, optim.weight_decay)
     config = chunks[0].config
     # what Megatron-LM's train() sets before its loop
     config.grad_scale_func = optimizer.scale_loss
@@ -159,13 +160,32 @@ def wrap(cfg, device: torch.device, chunks: list[torch.nn.Module], schedule) -> 
     return MegatronEngine(wrapped, optimizer, config), LambdaSchedules(optimizer, schedule.factor)
 
 
+def torch_optimizers(optimizer) -> list:
+    """The torch optimizers megatron's optimizer holds (one, or one per chained group)."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def apply_group_multipliers(optimizer, weight_decay: float) -> None:
+    """Each parameter group's weight decay as megatron's OptimizerParamScheduler sets it,
+    weight_decay x the group's wd_mult: megatron marks norm weights and biases wd_mult=0 (its
+    default groups), but only its own scheduler applies it, and this engine steps a LambdaLR
+    (`LambdaSchedules`, which applies lr_mult) instead. The same groups as the deepspeed
+    engine's (training/build.decays)."""
+    for inner in torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+
+
 class LambdaSchedules:
     """torch's LambdaLR on each torch optimizer megatron's optimizer holds (one, or one per
-    chained group), stepped together: the deepspeed engine's schedule."""
+    chained group), stepped together: the deepspeed engine's schedule, times each group's
+    lr_mult (megatron's OptimizerParamScheduler's rule)."""
 
     def __init__(self, optimizer, factor) -> None:
-        inner = getattr(optimizer, "chained_optimizers", [optimizer])
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o.optimizer, factor) for o in inner]
+        self.schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(inner, _multiplied(factor, inner.param_groups))
+            for inner in torch_optimizers(optimizer)
+        ]
 
     def step(self) -> None:
         for scheduler in self.schedulers:
@@ -185,6 +205,15 @@ class LambdaSchedules:
     def load_state_dict(self, state: dict) -> None:
         for scheduler in self.schedulers:
             scheduler.load_state_dict(state)
+
+
+def _multiplied(factor, groups: list[dict]) -> list:
+    """LambdaLR's per-group functions: the schedule's factor times the group's lr_mult."""
+    return [partial(_times, factor, group.get("lr_mult", 1.0)) for group in groups]
+
+
+def _times(factor, multiplier: float, step: int) -> float:
+    return factor(step) * multiplier
 
 
 def _forward_step_func(device: torch.device, seq_len: int, probe: bool):
