@@ -10,6 +10,10 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
+# scaled_dot_product_attention serves grouped-query attention itself from torch 2.5
+# (`enable_gqa`: no [s, b, heads/tp, d] copies of each key and value head); pyproject admits 2.4
+GQA_IN_SDPA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 class SDPACoreAttention(MegatronModule):
     """Causal core attention on torch's scaled_dot_product_attention: the core attention of
@@ -52,7 +56,10 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention supports plain causal attention only")
         repeat = self.heads_per_partition // self.groups_per_partition
-        if repeat > 1:  # grouped-query attention: each k/v head serves `repeat` query heads
+        grouped = {}
+        if repeat > 1 and GQA_IN_SDPA:  # each k/v head serves `repeat` query heads, in SDPA
+            grouped["enable_gqa"] = True
+        elif repeat > 1:  # torch < 2.5: copies of each k/v head
             key = key.repeat_interleave(repeat, dim=2)
             value = value.repeat_interleave(repeat, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
@@ -62,7 +69,7 @@ class SDPACoreAttention(MegatronModule):
         fork = _tensor_parallel_rng if dropout and query.is_cuda else contextlib.nullcontext
         with fork():
             context = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout
+                q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout, **grouped
             )
         sq, b = query.shape[0], query.shape[1]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads_per_partition * self.head_dim)
