@@ -112,13 +112,15 @@ def being_freed(root: Path) -> int:
 
 
 def check_space(parts: Parts, root: Path, layout_free: bool) -> int:
-    """Refuse a save the disk has no room for, on every rank (rank 0 looks, all agree);
-    returns the bytes needed."""
-    needed = bytes_needed(parts, root, layout_free)
-    refusal = None
-    if parts.place.is_main and free_bytes(root) + being_freed(root) < needed:
-        refusal = str(no_space(root, needed))
-    refusal = collectives.all_gather_object(refusal)[0]
+    """Refuse a save the disk has no room for, on every rank: rank 0 alone looks (the newest
+    checkpoint's files walked once, not on every rank), all agree; returns the bytes needed,
+    rank 0's figure on every rank."""
+    answer = None
+    if parts.place.is_main:
+        needed = bytes_needed(parts, root, layout_free)
+        short = free_bytes(root) + being_freed(root) < needed
+        answer = (needed, str(no_space(root, needed)) if short else None)
+    needed, refusal = collectives.all_gather_object(answer)[0]
     if refusal:
         raise CheckpointError(refusal)
     return needed
