@@ -163,7 +163,8 @@ def choose_fusions(
         "persist_layer_norm": (False, "an Apex kernel; RMSNorm is torch's or TE's"),
         "gradient_accumulation_fusion": (
             False,
-            "writes megatron's main_grad, which DeepSpeed does not use",
+            "writes megatron's main_grad, which DeepSpeed does not use; the megatron engine "
+            "turns it on where megatron found Apex's fused_weight_gradient_mlp_cuda",
         ),
     }
     return Fusions({n: chosen[n][0] for n in FUSION_FLAGS}, {n: chosen[n][1] for n in FUSION_FLAGS})

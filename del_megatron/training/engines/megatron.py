@@ -99,8 +99,11 @@ def stage_flags(vp: int | None) -> list[tuple[bool, bool, int | None]]:
 
 def stage_overrides(cfg) -> dict[str, Any]:
     """TransformerConfig fields of the engine: megatron's per-token loss (what makes the sum
-    over micro-batches the global batch's loss), the uneven first and last stages."""
-    fields: dict[str, Any] = {"calculate_per_token_loss": True}
+    over micro-batches the global batch's loss), the uneven first and last stages, and, as
+    Megatron-LM sets it, a stage's sent activations freed once sent
+    (`deallocate_pipeline_outputs`: only their autograd node stays for backward; megatron's
+    schedules read it at PP > 1)."""
+    fields: dict[str, Any] = {"calculate_per_token_loss": True, "deallocate_pipeline_outputs": True}
     if cfg.parallel.first_stage_layers is not None:
         fields["num_layers_in_first_pipeline_stage"] = cfg.parallel.first_stage_layers
     if cfg.parallel.last_stage_layers is not None:
@@ -360,6 +363,7 @@ def build_stages(cfg, device: torch.device, tokenizer) -> list[torch.nn.Module]:
     overrides = {
         **stage_overrides(cfg),
         **pipeline_overrides(device, cfg.parallel.pipeline_parallel),
+        **fusion_overrides(device),
     }
     chunks = []
     offset = 100 * parallel_state.get_pipeline_model_parallel_rank()
@@ -410,6 +414,19 @@ def building_stages(device: torch.device):
 
         return megatron_on_cpu.tensor_cuda_stays()
     return contextlib.nullcontext()
+
+
+def fusion_overrides(device: torch.device) -> dict[str, Any]:
+    """megatron's gradient-accumulation fusion on GPU where megatron found its kernel (Apex's
+    fused_weight_gradient_mlp_cuda, read from megatron's own import-time answer): each
+    linear layer's weight gradient summed inside its GEMM into the float32 `main_grad` this
+    engine's DistributedDataParallel holds, as Megatron-LM runs it. The deepspeed engine has
+    no main_grad (models/spec.choose_fusions keeps it off there)."""
+    if device.type != "cuda":
+        return {}
+    from megatron.core.tensor_parallel import layers
+
+    return {"gradient_accumulation_fusion": True} if layers._grad_accum_fusion_available else {}
 
 
 def pipeline_overrides(device: torch.device, pipeline_parallel: int) -> dict[str, Any]:
