@@ -24,17 +24,28 @@ def resolve_device(requested: str) -> torch.device:
     return device
 
 
-def select_accelerator(device: torch.device) -> None:
-    """Tell DeepSpeed which accelerator to use; call before deepspeed is imported and before
-    the first CUDA context."""
+def select_accelerator(device: torch.device, tensor_parallel: int | None = None) -> None:
+    """Tell DeepSpeed which accelerator to use, and CUDA how this run uses the device; call
+    before deepspeed is imported and before the first CUDA context. tensor_parallel: the
+    run's (None: unknown, taken as more than one). A user's own settings are kept.
+
+    * CUDA_DEVICE_MAX_CONNECTIONS=1 where megatron needs it, at tensor parallel > 1: its
+      asynchronous all-reduce of input gradients across tensor-parallel ranks relies on
+      kernels starting in launch order, which one hardware queue per device gives
+      (Megatron-LM and NeMo set it; megatron warns without it). At tensor parallel 1 it
+      would only serialise the data-parallel reductions DeepSpeed and megatron's DDP overlap
+      with compute.
+    * PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator grows segments
+      instead of keeping fixed blocks, so the varying sizes of a step (packed windows, the
+      loss's chunks) fragment less (Megatron-LM's and torchtitan's recommendation).
+    Neither has an effect on CPU."""
     import os
 
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # megatron-core's asynchronous all-reduce of input gradients across tensor-parallel ranks
-    # relies on kernels starting in launch order, which one hardware queue per device gives
-    # (Megatron-LM and NeMo set the same; megatron warns without it). No effect on CPU.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if tensor_parallel is None or tensor_parallel > 1:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def deterministic_algorithms(enabled: bool) -> None:

@@ -82,7 +82,7 @@ def setup(cfg: RunConfig, schedule: Schedule | None = None) -> Run:
     """schedule: the learning-rate schedule (default: the config's; a resume passes the one
     `resume_changes.review` gives)."""
     device = resolve_device(cfg.train.device)
-    select_accelerator(device)
+    select_accelerator(device, cfg.parallel.tensor_parallel)
     deterministic_algorithms(cfg.train.deterministic)
     from ..parallel import init_distributed, init_model_parallel
     from ..tokenizer import Tokenizer

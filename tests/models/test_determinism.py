@@ -17,8 +17,9 @@ SET = ("CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NCCL_ALGO
 
 @pytest.fixture
 def clean(monkeypatch):
-    for name in SET:
-        monkeypatch.delenv(name, raising=False)
+    for name in SET:  # set, then deleted: what the test sets is undone after it
+        monkeypatch.setenv(name, "before")
+        monkeypatch.delenv(name)
     before = torch.are_deterministic_algorithms_enabled()
     yield monkeypatch
     torch.use_deterministic_algorithms(before)
