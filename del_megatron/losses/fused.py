@@ -458,10 +458,20 @@ def _weight_gradient(weight: torch.Tensor, summed: torch.Tensor) -> torch.Tensor
     autograd gets a zero that costs no memory (stride 0), which AccumulateGrad adds; its
     post-accumulate hooks (DeepSpeed's reduction) read the summed `.grad` as usual. The same
     zero when the recomputing backward summed into a float32 `.grad` itself. Hooks on the
-    weight tensor (`register_hook`) see the zero in those cases. Otherwise one cast."""
+    weight tensor (`register_hook`) see the zero in those cases. Under megatron's
+    DistributedDataParallel (a `main_grad` float32 buffer beside the weight) a sum in another
+    dtype than the weight's is added into `main_grad` and the weight marked
+    `grad_added_to_main_grad`, as megatron's own linear layers do with gradient-accumulation
+    fusion: no rounding to the half dtype before the float32 buffer (megatron's hook would add
+    a half `.grad` into it), and autograd gets the zero, which the hook then drops. Otherwise
+    one cast."""
     existing = _existing_grad(weight)
     zero = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
     if summed is existing:  # the recomputing path summed into it already
+        return zero
+    if summed.dtype != weight.dtype and hasattr(weight, "grad_added_to_main_grad"):
+        weight.main_grad.add_(summed)
+        weight.grad_added_to_main_grad = True
         return zero
     if summed.dtype == weight.dtype:
         return summed

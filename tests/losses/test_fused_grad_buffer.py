@@ -135,6 +135,26 @@ def test_bf16_weight_gradient_never_weight_sized_in_bf16(group, recompute, held)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["forward", "recompute"])
+def test_bf16_weight_gradient_goes_into_megatrons_main_grad_unrounded(group, recompute):
+    """Issue 50, item 6: under megatron's DistributedDataParallel (a float32 `main_grad`
+    beside the weight, `grad_added_to_main_grad` reset by its zero_grad_buffer) the float32
+    sum is added into main_grad, as megatron's own layers do with gradient-accumulation
+    fusion, and the weight marked so megatron's hook drops the `.grad` autograd gets. Failed
+    on the code before: the sum came back as a bf16 `.grad` (rounded), main_grad untouched."""
+    hidden, weight, labels, vocab = case(torch.bfloat16)
+    w = weight.clone().requires_grad_()
+    w.main_grad = torch.zeros(w.shape, dtype=torch.float32)  # as megatron's DDP sets them
+    w.grad_added_to_main_grad = False
+    out = fused(hidden, w, labels, vocab, group, recompute=recompute)
+    out.loss.backward()
+    assert w.grad_added_to_main_grad
+    assert not torch.equal(w.main_grad, w.main_grad.bfloat16().float())  # not rounded
+    _, want_w = reference(hidden, weight, labels, vocab, group)
+    torch.testing.assert_close(w.main_grad.double(), want_w, rtol=2e-2, atol=2e-3)
+    assert not w.grad.any()  # what megatron's hook drops
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["forward", "recompute"])
 def test_three_products_per_chunk_and_one_without_grad(group, recompute):
     """The gradient formed in forward costs megatron's three products per chunk (logits,
     input gradient, weight gradient); the recomputing backward four; no grad, one."""
