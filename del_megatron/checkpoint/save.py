@@ -12,6 +12,7 @@ killed save leaves only a `.tmp-` directory that resume ignores (and removes).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -103,11 +104,14 @@ def being_freed(root: Path) -> int:
     counts them (a file already deleted counts 0)."""
     total = 0
     for old in root.glob(TMP_PREFIX + "old-*"):
-        for path in old.rglob("*"):
-            try:
-                total += path.stat().st_size if path.is_file() else 0
-            except OSError:  # deleted between the listing and the stat
-                pass
+        # os.walk skips a directory deleted before it is listed (Path.rglob raised
+        # FileNotFoundError there: a save beside the deletion failed)
+        for directory, _, names in os.walk(old):
+            for name in names:
+                try:
+                    total += os.stat(os.path.join(directory, name)).st_size
+                except OSError:  # deleted between the listing and the stat
+                    pass
     return total
 
 

@@ -127,6 +127,27 @@ def test_old_checkpoints_being_deleted_count_as_free_space(tmp_path):
     assert saving.being_freed(tmp_path) == 300
 
 
+def test_a_directory_deleted_while_it_is_counted_counts_nothing(tmp_path, monkeypatch):
+    """The deletion behind training removes a directory between its parent's listing and its
+    own: the count goes on (before: Path.rglob's FileNotFoundError failed the save, seen once
+    in tests/training/test_resume.py's kills during writes)."""
+    import os
+
+    old = tmp_path / ".tmp-old-step-0000001"
+    (old / "rng").mkdir(parents=True)
+    (old / "rng" / "rank00000.pt").write_bytes(b"x" * 70)
+    (old / "meta.json").write_bytes(b"x" * 30)
+    real = os.scandir
+
+    def vanished(path=".", *args):
+        if str(path).endswith("rng"):  # deleted after its parent was listed
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real(path, *args)
+
+    monkeypatch.setattr(os, "scandir", vanished)
+    assert saving.being_freed(tmp_path) == 30
+
+
 def test_the_weights_written_are_those_of_the_save(tmp_path, monkeypatch):
     """On CPU a parameter's .cpu() is the parameter itself: a writer behind training given
     it would write the next step's weights (the old host_weights did)."""
