@@ -62,12 +62,9 @@ def deterministic_algorithms(enabled: bool) -> None:
 
     if not enabled:
         return
-    algorithm = os.environ.get("NCCL_ALGO")
-    if algorithm is not None and algorithm.lower() not in ("ring", "tree"):
-        raise UserError(
-            f"train.deterministic needs NCCL_ALGO=Ring or Tree (set: {algorithm}): other "
-            "algorithms (NVLS, CollNet) reduce in an order that can change between runs"
-        )
+    problem = deterministic_problem(os.environ)
+    if problem:
+        raise UserError(problem)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Transformer Engine's attention picks only deterministic kernels with this at 0 (read
     # when its attention runs); NCCL's ring reduces in a fixed order (read at communicator
@@ -76,6 +73,19 @@ def deterministic_algorithms(enabled: bool) -> None:
     os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     os.environ.setdefault("NCCL_ALGO", "Ring")
     torch.use_deterministic_algorithms(True)
+
+
+def deterministic_problem(env) -> str | None:
+    """Why train.deterministic cannot hold in the environment `env`, in one line (None: it
+    can): an NCCL algorithm other than Ring or Tree (NVLS, CollNet) reduces in an order that
+    can change between runs. Asked by `deterministic_algorithms` and the start-up checks."""
+    algorithm = env.get("NCCL_ALGO")
+    if algorithm is not None and algorithm.lower() not in ("ring", "tree"):
+        return (
+            f"train.deterministic needs NCCL_ALGO=Ring or Tree (set: {algorithm}): other "
+            "algorithms (NVLS, CollNet) reduce in an order that can change between runs"
+        )
+    return None
 
 
 @contextlib.contextmanager

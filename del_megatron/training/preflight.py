@@ -12,7 +12,7 @@ from ..data import DataError
 from ..data.format import load_manifests
 from ..data.state import check_resumable
 from ..losses.vocab import TokenizerError
-from ..runtime import resolve_device
+from ..runtime import deterministic_problem, resolve_device
 from .initial_weights import open_initial_weights
 
 
@@ -88,6 +88,8 @@ def preflight(
             device_type = resolve_device(cfg.train.device).type
         except ValueError as err:
             raise ConfigError(f"train.device: {err}") from None
+    if cfg.train.deterministic and deterministic_problem(os.environ):
+        raise ConfigError(deterministic_problem(os.environ))
     open_initial_weights(cfg)  # headers only: exists, reproducible, same architecture
     from ..tokenizer import Tokenizer
 

@@ -251,6 +251,22 @@ def test_dry_run_mistakes(case, extra, expected, setup, capsys):
     assert snapshot(tmp) == before  # the dry run wrote nothing
 
 
+def test_a_deterministic_run_on_an_nccl_algorithm_that_varies_is_refused_by_the_checks(
+    setup, capsys, monkeypatch
+):
+    """What the run would refuse at set-up (runtime.deterministic_algorithms), --check and
+    --dry-run refuse first, in one line. Failed before: the checks passed."""
+    _, config, *_ = setup
+    monkeypatch.setenv("NCCL_ALGO", "NVLS")
+    for mode in ("--check", "--dry-run"):
+        code = main(["--config", str(config), mode, "train.deterministic=true"])
+        _, err = capsys.readouterr()
+        assert code == 2 and err.count("\n") == 1, err
+        assert "NCCL_ALGO=Ring or Tree (set: NVLS)" in err, err
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    assert main(["--config", str(config), "--check", "train.deterministic=true"]) == 0
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
