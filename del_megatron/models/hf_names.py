@@ -1,6 +1,7 @@
 """The one table of Hugging Face names of the Llama family: for every canonical megatron-core
 parameter, the Hugging Face tensors it holds, their shapes, how several are fused into it, its
-tensor-parallel split, and whether its rows are the (padded) vocabulary.
+tensor-parallel split, whether its rows are the (padded) vocabulary, and megatron's random
+initialization of it (`Init`, drawn by models/random_start.py).
 
 Import (`hf_tensors.rank_shard`, lazy per-rank slices), export (`hf_tensors.hf_tensors`), the
 offline conversion (models/conversion.py), the shape check of a checkpoint (`hf_shapes`) and
@@ -29,6 +30,12 @@ from .hf_config import ConversionError
 Partition = tuple[int, int] | None
 """(dim, stride) of a tensor-parallel split; None: replicated on every rank."""
 Fusion = Literal["qkv", "concat"] | None
+Init = Literal["embedding", "hidden", "scaled", "ones", "zeros"]
+"""megatron-core's random initialization of a parameter: normal draws of its TransformerConfig's
+`embedding_init_method` (the word embeddings), `init_method` (std init_method_std: QKV, fc1,
+the output layer) or `output_layer_init_method` ("scaled": std / sqrt(2 x num_layers), the
+projections back into the residual stream, linear_proj and fc2); norm weights ones, biases
+zeros."""
 
 HF_LAYER = "model.layers.{}."
 MEGATRON_LAYER = "decoder.layers.{}."
@@ -50,6 +57,7 @@ class Entry:
 
     megatron: str
     hf: tuple[HFPart, ...]
+    init: Init  # megatron's random initialization
     partition: Partition = None
     fusion: Fusion = None
     padded: bool = False  # rows are the vocabulary, padded to the tensor-parallel multiple
@@ -78,6 +86,7 @@ LLAMA = FamilyTable(
     before=(
         Entry(
             megatron="embedding.word_embeddings.weight",
+            init="embedding",
             hf=_parts(("model.embed_tokens.weight", "v h")),
             partition=(0, 1),
             padded=True,
@@ -86,10 +95,12 @@ LLAMA = FamilyTable(
     layer=(
         Entry(
             megatron="input_layernorm.weight",
+            init="ones",
             hf=_parts(("input_layernorm.weight", "h")),
         ),
         Entry(
             megatron="self_attention.linear_qkv.weight",
+            init="hidden",
             hf=_parts(
                 ("self_attn.q_proj.weight", "q h"),
                 ("self_attn.k_proj.weight", "kv h"),
@@ -100,6 +111,7 @@ LLAMA = FamilyTable(
         ),
         Entry(
             megatron="self_attention.linear_qkv.bias",
+            init="zeros",
             hf=_parts(
                 ("self_attn.q_proj.bias", "q"),
                 ("self_attn.k_proj.bias", "kv"),
@@ -111,21 +123,25 @@ LLAMA = FamilyTable(
         ),
         Entry(
             megatron="self_attention.linear_proj.weight",
+            init="scaled",
             hf=_parts(("self_attn.o_proj.weight", "h q")),
             partition=(1, 1),
         ),
         Entry(
             megatron="pre_mlp_layernorm.weight",
+            init="ones",
             hf=_parts(("post_attention_layernorm.weight", "h")),
         ),
         Entry(
             megatron="mlp.linear_fc1.weight",
+            init="hidden",
             hf=_parts(("mlp.gate_proj.weight", "f h"), ("mlp.up_proj.weight", "f h")),
             partition=(0, 2),
             fusion="concat",
         ),
         Entry(
             megatron="mlp.linear_fc2.weight",
+            init="scaled",
             hf=_parts(("mlp.down_proj.weight", "h f")),
             partition=(1, 1),
         ),
@@ -133,10 +149,12 @@ LLAMA = FamilyTable(
     after=(
         Entry(
             megatron="decoder.final_layernorm.weight",
+            init="ones",
             hf=_parts(("model.norm.weight", "h")),
         ),
         Entry(
             megatron="output_layer.weight",
+            init="hidden",
             hf=_parts(("lm_head.weight", "v h")),
             partition=(0, 1),
             padded=True,

@@ -19,7 +19,9 @@ from .weight_files import HFCheckpoint, MegatronWeights
 ShardSource = Callable[[str], torch.Tensor]  # canonical name -> this rank's shard
 
 
-def _copy_in(model: torch.nn.Module, shard_of: ShardSource) -> None:
+def copy_in(model: torch.nn.Module, shard_of: ShardSource) -> None:
+    """Every parameter of `model` (a pipeline stage's chunk or the whole model) from
+    `shard_of` its canonical global name, checked against the parameter's shape."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             # a pipeline stage's layers by their number in the whole model
@@ -46,10 +48,10 @@ def load_hf(model: torch.nn.Module, checkpoint: HFCheckpoint, arch: LlamaArchite
     check_hf_tensors(checkpoint.shapes, arch)
     rank, world = _tensor_parallel()
     padded = arch.padded_vocab_size(world)
-    _copy_in(model, lambda name: rank_shard(checkpoint.read, name, arch, padded, rank, world))
+    copy_in(model, lambda name: rank_shard(checkpoint.read, name, arch, padded, rank, world))
 
 
 def load_megatron(model: torch.nn.Module, weights: MegatronWeights, padded_vocab: int) -> None:
     """A del-megatron weights directory of any tensor-parallel size, into the model."""
     rank, world = _tensor_parallel()
-    _copy_in(model, lambda name: weights.rank_shard(name, rank, world, padded_vocab))
+    copy_in(model, lambda name: weights.rank_shard(name, rank, world, padded_vocab))

@@ -1,6 +1,6 @@
 """The weights a run starts from (init.hf, init.megatron), opened and checked against the run
 config before anything is built (preflight and --dry-run read only headers), then loaded
-into each rank's shards."""
+into each rank's shards; without them, a random start drawn into them."""
 
 from __future__ import annotations
 
@@ -54,17 +54,22 @@ def check_architecture(model: LlamaArchitecture, found: LlamaArchitecture, where
 
 
 def initialize_weights(cfg: RunConfig, model: torch.nn.Module, opened: Initial | None) -> None:
-    """Load the initial weights `opened` (`open_initial_weights`), if any, into this rank's
-    shards: every parameter, so the build skipped megatron's random init."""
+    """Every parameter of this rank's shards, so the build skipped megatron's random init:
+    the initial weights `opened` (`open_initial_weights`) loaded, or for a random start
+    (None) each tensor drawn from train.seed and its global name
+    (`models/random_start.draw_random_start`), one model at any layout and engine."""
+    from ..models.random_start import draw_random_start
     from ..models.weights import load_hf, load_megatron
 
+    padded_vocab = cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel)
     if opened is None:
+        draw_random_start(model, cfg.model, cfg.train.seed, padded_vocab)
         return
     source, arch = opened
     try:
         if isinstance(source, HFCheckpoint):
             load_hf(model, source, arch)
         else:
-            load_megatron(model, source, cfg.model.padded_vocab_size(cfg.parallel.tensor_parallel))
+            load_megatron(model, source, padded_vocab)
     except ConversionError as err:
         raise ConfigError(f"initial weights: {err}") from None

@@ -107,6 +107,9 @@ def run_config(tokenizer: Path, tmp_path: Path, seed: int, **init):
 def test_trainer_builds_seeded_and_skips_the_init_it_loads_over(
     gpu_init, weights_dir, spm_split_digits, tmp_path
 ):
+    """megatron's random init is skipped on every start: a random start draws each tensor
+    from train.seed and its name (models/random_start.py; tests/models/test_random_start.py),
+    initial weights load over every parameter."""
     from del_megatron.tokenizer import Tokenizer
     from del_megatron.training.build import build_model
 
@@ -114,10 +117,10 @@ def test_trainer_builds_seeded_and_skips_the_init_it_loads_over(
     random = [
         build_model(run_config(spm_split_digits, tmp_path, s), CPU, tokenizer) for s in (1, 2)
     ]
-    assert random[0].config.perform_initialization
+    assert not random[0].config.perform_initialization
     a, b = (parameters(m) for m in random)
-    name = "decoder.layers.0.mlp.linear_fc1.weight"  # initialized under the tracker's fork
-    assert not torch.equal(a[name], b[name])  # the tracker is seeded from train.seed
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    assert not torch.equal(a[name], b[name])  # drawn from train.seed
     again = parameters(build_model(run_config(spm_split_digits, tmp_path, 1), CPU, tokenizer))
     assert all(torch.equal(a[n], again[n]) for n in a)
 
