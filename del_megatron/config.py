@@ -57,6 +57,21 @@ class ParallelConfig(_Section):
     others wait in the next collective: at 7B a checkpoint is up to 189 GB
     (docs/checkpoints.md), which one node writes within DeepSpeed's default of 10 minutes
     only above 315 MB/s; within 60 minutes above 53 MB/s."""
+    distributed_optimizer: bool | None = None
+    """train.engine=megatron: megatron's distributed optimizer (float32 masters and Adam
+    moments sharded over data-parallel ranks, gradients reduce-scattered, weights
+    all-gathered; Megatron-LM's --use-distributed-optimizer). Unset: on with CUDA."""
+    overlap_grad_reduce: bool | None = None
+    """train.engine=megatron: gradient reduction bucket by bucket behind backward
+    (--overlap-grad-reduce). Unset: on with CUDA."""
+    overlap_param_gather: bool | None = None
+    """train.engine=megatron with the distributed optimizer: each bucket's weight all-gather
+    behind the next forward, waited for by its modules' forward pre-hooks
+    (--overlap-param-gather). Unset: on with CUDA and the distributed optimizer."""
+    ddp_bucket_size: int | None = Field(default=None, gt=0)
+    """train.engine=megatron with overlap_grad_reduce: parameters per bucket, each bucket's
+    gradients reduced (and, with overlap_param_gather, weights gathered) as one collective
+    (--ddp-bucket-size). Unset: megatron's max(40M, 1M x data parallel)."""
     sequence_parallel: bool = False
     """Not supported with DeepSpeed (it does not all-reduce layer-norm gradients across
     tensor-parallel ranks): refused."""
@@ -112,6 +127,9 @@ class TrainConfig(_Section):
     Megatron-LM's --deterministic-mode: two runs of one command on one machine repeat bit for
     bit (a resumed run its straight twin); some kernels are slower; an op without such a
     kernel fails the run."""
+    bf16: bool | None = None
+    """bf16 parameters and activations with float32 master weights and float32 gradient
+    sums (Megatron-LM's --bf16); false: float32 throughout. Unset: bf16 with CUDA."""
     log_interval: int = Field(default=10, gt=0)
     eval_interval: int = Field(default=0, ge=0)
     """Evaluate on eval.sources every this many steps (0: only before and after)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from typing import Any
 
 import torch
 
@@ -97,6 +98,17 @@ def quiet_communication_setup(device: torch.device):
         return
     with contextlib.redirect_stdout(io.StringIO()):
         yield
+
+
+def bf16_on(setting: bool | None, device: torch.device) -> bool:
+    """Whether a run computes in bf16 (train.bf16): the setting, else with CUDA only."""
+    return device.type == "cuda" if setting is None else setting
+
+
+def precision_overrides(bf16: bool) -> dict[str, Any]:
+    """TransformerConfig fields of a model built in bf16 or float32 (the device's default,
+    models/spec.transformer_config_overrides, when the run sets neither)."""
+    return {"params_dtype": torch.bfloat16 if bf16 else torch.float32, "bf16": bf16}
 
 
 def process_group_backend(device: torch.device) -> str:

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from .. import collectives
 from ..runtime import batch_to_device
 
-Score = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-"""A batch on the compute device ({tokens, labels, loss_mask: [b, s]}) -> statistics that
+Score = Callable[[Any], dict[str, torch.Tensor]]
+"""A batch on the compute device ({tokens, labels, loss_mask: [b, s]}), or a list of them
+where the caller's batches come in lists (a pipeline's micro-batches) -> statistics that
 add up over batches and ranks ({name: tensor of a fixed shape}, on the device)."""
 
 Metrics = Callable[[dict[str, Any]], dict[str, Any]]
@@ -46,16 +47,20 @@ def sum_scores(
     progress: str | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """({name: float64 sum over `batches` on `device`}, number of batches); no host read.
+    An item of `batches` may be a list of batches, scored as one call and counted each.
     progress: a tqdm bar with this description (None: no bar)."""
     from tqdm import tqdm
 
     sums: dict[str, torch.Tensor] = {}
     count = 0
     for batch in tqdm(batches, desc=progress, unit="batch", disable=progress is None):
-        for name, value in score(batch_to_device(batch, device)).items():
+        if isinstance(batch, list):
+            scored, count = score([batch_to_device(b, device) for b in batch]), count + len(batch)
+        else:
+            scored, count = score(batch_to_device(batch, device)), count + 1
+        for name, value in scored.items():
             value = value.detach().to(torch.float64)
             sums[name] = sums[name] + value if name in sums else value
-        count += 1
     return sums, count
 
 

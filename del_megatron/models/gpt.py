@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from ..losses import DigitVocab, NumericLossConfig, NumericLossHead, report_pairs
+from ..losses import REPORT_PAIRS, DigitVocab, NumericLossConfig, NumericLossHead, report_pairs
 from ..losses.assemble import NumericLossOutput, NumericStats
-from ..losses.diagnostics import output_gradient_probe, probe_pairs
+from ..losses.diagnostics import GRAD_PROBE_PAIRS, output_gradient_probe, probe_pairs
 
 
 class NumericLossGPTModel(GPTModel):
@@ -229,6 +229,12 @@ def loss_func(loss_mask: torch.Tensor, output: NumericLossOutput | tuple):
     for name, (total, count) in pairs.items():
         report[name] = torch.stack([total, count]).to(loss_sum.dtype)
     return loss_sum, num_tokens, report
+
+
+def report_names(probed: bool) -> list[str]:
+    """The names `loss_func`'s reports hold, sorted, summed over micro-batches of which the
+    first is `probed` or not: known on every pipeline stage without the last stage's report."""
+    return sorted({"lm loss", *REPORT_PAIRS, *(GRAD_PROBE_PAIRS if probed else ())})
 
 
 def _as_output(output: NumericLossOutput | tuple) -> NumericLossOutput:

@@ -1,7 +1,8 @@
 """megatron-core's training engine on the CPU: what a run on `train.device=cpu` (the tiny
-config, the tests) needs of megatron's schedules, and nothing a GPU run ever calls
-(the megatron engine decides by the run's device, training/engines/megatron.py
-`engine_on`; the model spec, models/spec.py `apply_device_shims`).
+config, the tests) needs of megatron's schedules, DDP and optimizers, and nothing a GPU run
+ever calls (applied by the run's device: training/engines/megatron.py `engine_on`; the model
+spec, models/spec.py `apply_device_shims`). With them a CPU run takes the GPU configuration
+too (the distributed optimizer, overlapped reduce and gather, bf16: the config's choices).
 
 megatron-core's pipeline schedules, its DistributedDataParallel buffers, its optimizer and
 its rerun state machine allocate a few small tensors on a hard-coded CUDA device
@@ -15,6 +16,9 @@ megatron's gradient clip in its optimizer module to the same clip without its as
 
 `keep_rotary_on_cpu(model)` gives a built model's rotary embeddings a class whose
 frequencies stay on the CPU (the stock one moves them to CUDA).
+
+`cuda_type_names()`, around building megatron's optimizers, has a CPU tensor's `type()`
+name its CUDA twin, which is all their checks of a parameter's device read.
 
 `tensor_cuda_stays()` is the one other shim, for code that moves a tensor with
 `tensor.cuda()` (megatron's tied embeddings on the last pipeline stage,
@@ -39,6 +43,7 @@ MODULES = (
     "megatron.core.pipeline_parallel.p2p_communication",  # receive buffers, shapes
     "megatron.core.distributed.param_and_grad_buffer",  # DDP's parameter and gradient buffers
     "megatron.core.optimizer.optimizer",  # the FP32 optimizer's scale
+    "megatron.core.optimizer.distrib_optimizer",  # its state buffers
     "megatron.core.optimizer.clip_grads",  # the gradient norm
     "megatron.core.utils",  # ... its fallback without Apex (local_multi_tensor_l2_norm)
     "megatron.core.rerun_state_machine",  # its saved generator; a rejected result's device
@@ -155,6 +160,26 @@ def rebind(*also: str) -> None:
             module.torch = _CPU_TORCH
     for (name, attribute), stand_in in FUNCTIONS.items():
         vars(importlib.import_module(name))[attribute] = stand_in
+
+
+class _CudaTypeNames(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if not args[0].is_cuda and name.startswith("torch."):
+                return "torch.cuda." + name.removeprefix("torch.")
+            return name
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def cuda_type_names():
+    """Inside: `tensor.type()` of a CPU tensor names its CUDA twin ('torch.cuda.FloatTensor',
+    'torch.cuda.BFloat16Tensor'), the names megatron's optimizers sort parameters by when
+    they build their float32 masters (optimizer.py and distrib_optimizer.py: anything else
+    is refused, "Wrapped parameters must be one of torch.cuda.FloatTensor ...")."""
+    with _CudaTypeNames():
+        yield
 
 
 class _CudaCallStays(TorchFunctionMode):

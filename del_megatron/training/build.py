@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..config import RunConfig
+from ..runtime import bf16_on, precision_overrides
 from .initial_weights import initialize_weights, open_initial_weights
 
 
@@ -36,15 +37,15 @@ def build_model(
     tokenizer,
     *,
     stage: tuple[bool, bool, int | None] = (True, True, None),
-    seed_offset: int = 0,
     **overrides: Any,
 ) -> torch.nn.Module:
     """The run's model on `device` (megatron's parallel state initialized): built by the one
-    builder (`models/llama.build_llama`: RNGs seeded with train.seed, megatron's random init
-    skipped when initial weights load right after), the initial weights loaded, the EMO cost
-    embedding frozen from them. stage: (pre_process, post_process, vp_stage) of a pipeline
-    stage's model chunk (`engines/megatron.stage_flags`); seed_offset: added to train.seed
-    (`engines/megatron.build_stages`); overrides: TransformerConfig fields."""
+    builder (`models/llama.build_llama`: RNGs seeded with train.seed for what draws in the
+    forward, megatron's random init skipped), the initial weights loaded or, for a random
+    start, drawn per tensor from train.seed and its global name (`initialize_weights`: one
+    model at any layout), the EMO cost embedding frozen from them. stage: (pre_process,
+    post_process, vp_stage) of a pipeline stage's model chunk (`engines/megatron.stage_flags`);
+    overrides: TransformerConfig fields."""
     from ..models import build_llama
     from ..models.spec import recompute_overrides
 
@@ -55,8 +56,8 @@ def build_model(
         tokenizer.digit_vocab,
         cfg.loss,
         device,
-        seed=cfg.train.seed + seed_offset,
-        weights_follow=initial is not None,
+        seed=cfg.train.seed,
+        weights_follow=True,  # every parameter loaded or drawn by name right after
         # both engines' backward is of loss_func's sum times one factor (DeepSpeed's
         # loss_sum * scale, megatron's grad_scale_func): the fused loss's backward scales
         # its gradient on the device, no host read
@@ -65,6 +66,7 @@ def build_model(
         post_process=post_process,
         vp_stage=vp_stage,
         **recompute_overrides(device, cfg.train.activation_checkpointing),
+        **precision_overrides(bf16_on(cfg.train.bf16, device)),
         **({"deterministic_mode": True} if cfg.train.deterministic else {}),
         **overrides,
     )

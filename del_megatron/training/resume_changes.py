@@ -116,6 +116,15 @@ TABLE: dict[str, Rule] = {
     "parallel.sequence_parallel": _same("refused by the config itself"),
     "parallel.collective_timeout_minutes": _same("how long a collective may wait, no value"),
     **{
+        f"parallel.{name}": _same("how megatron's engine holds and moves the same state")
+        for name in (
+            "distributed_optimizer",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+            "ddp_bucket_size",
+        )
+    },
+    **{
         f"parallel.{name}": _same("another layout, from the layout-free state")
         for name in (
             "pipeline_parallel",
@@ -148,6 +157,10 @@ TABLE: dict[str, Rule] = {
     "train.device": _same("another device, the same state"),
     "train.activation_checkpointing": _SAME_MATH,
     "train.deterministic": _same("the same math in kernels that repeat bit for bit"),
+    "train.bf16": _changes(
+        "the forward and backward in the new precision from the next step; the float32 "
+        "masters and moments continue"
+    ),
     "train.log_interval": _INTERVAL,
     "train.eval_interval": _INTERVAL,
     "train.save_interval": _INTERVAL,

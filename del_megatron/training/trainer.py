@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,18 +169,32 @@ def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
         num_batches=max_batches,
     )
 
-    def score(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return run.engine_kind.score(run, batch)  # {name: [sum, count]}
+    def score(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return run.engine_kind.score(run, batches)  # {name: [sum, count]}
 
     run.engine.eval()
     try:  # the last step's weights, gathered where the engine gathers them behind the step
         with torch.no_grad(), run.engine_kind.evaluation_weights(run.engine):
             evaluated = teacher_forced(
-                loader, score, _pair_means, device=run.device, group=run.dp_group
-            )
+                groups(loader, run.accumulation), score, _pair_means,
+                device=run.device, group=run.dp_group,
+            )  # fmt: skip
     finally:
         run.engine.train()
     return {**evaluated.metrics, **derived_values(evaluated.metrics, run.cfg.loss)}
+
+
+def groups(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:
+    """`batches` in lists of `size` (the last one shorter): a training step's worth of
+    held-out micro-batches per engine call."""
+    group: list[dict] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 def _pair_means(sums: dict[str, list[float]]) -> dict[str, float]:

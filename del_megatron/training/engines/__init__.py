@@ -132,8 +132,9 @@ class EngineKind(Protocol):
         that reads no data); the step's agreement (`signals.agree`) inside."""
         ...
 
-    def score(self, run, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One held-out batch's report {name: [sum, count]} (forward only)."""
+    def score(self, run, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Held-out micro-batches' report {name: [sum, count]}, summed over them (forward
+        only; as many as a training step's, so a pipeline fills as in training)."""
         ...
 
     def evaluation_weights(self, engine: Any) -> AbstractContextManager:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ... import collectives
-from ...runtime import batch_to_device
+from ...runtime import batch_to_device, bf16_on
 from .. import progress
 from ..build import build_model, parameter_groups
 from ..metrics import PairSum
@@ -27,7 +27,8 @@ from . import Built, EngineStep, run_layout
 
 def deepspeed_config(cfg, world_size: int, *, gpu: bool) -> dict[str, Any]:
     """The DeepSpeed JSON of a run (generated, so it cannot disagree with the run config):
-    bf16 on GPU, float32 on CPU; torch's AdamW (multi-tensor on GPU) under ZeRO on both.
+    bf16 as train.bf16 says (unset: on GPU), float32 otherwise; torch's AdamW (multi-tensor
+    on GPU) under ZeRO on both.
 
     Not DeepSpeed's FusedAdam: it is compiled at the first step (nvcc, ninja and the Python
     headers matching torch's CUDA on every node), a start-up failure on images without a
@@ -40,8 +41,9 @@ def deepspeed_config(cfg, world_size: int, *, gpu: bool) -> dict[str, Any]:
     micro-batch (0.85% of the gradient over 64 micro-batches against 0.21% for float32 sums,
     tests/training/test_bf16_accumulation.py). At ZeRO 1 this selects DeepSpeed's
     BF16_Optimizer."""
-    precision: dict[str, Any] = {"bf16": {"enabled": gpu}}
-    if gpu:
+    bf16 = bf16_on(cfg.train.bf16, torch.device("cuda" if gpu else "cpu"))
+    precision: dict[str, Any] = {"bf16": {"enabled": bf16}}
+    if bf16:
         precision.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32")
     return {
         "train_batch_size": cfg.train.global_batch_size,
@@ -67,7 +69,7 @@ def deepspeed_config(cfg, world_size: int, *, gpu: bool) -> dict[str, Any]:
 
 def config_problem(cfg) -> str | None:
     """What DeepSpeed's engine cannot do with the rest of the config, in one line (None:
-    nothing): pipeline stages."""
+    nothing): pipeline stages, megatron's DDP settings."""
     parallel = cfg.parallel
     staged = {
         "pipeline_parallel": parallel.pipeline_parallel > 1,
@@ -80,6 +82,18 @@ def config_problem(cfg) -> str | None:
             return (
                 f"parallel.{name} needs train.engine=megatron: megatron-core's pipeline "
                 "schedules run their own backward, which would bypass the DeepSpeed engine"
+            )
+    megatrons = (
+        "distributed_optimizer",
+        "overlap_grad_reduce",
+        "overlap_param_gather",
+        "ddp_bucket_size",
+    )
+    for name in megatrons:
+        if getattr(parallel, name) is not None:
+            return (
+                f"parallel.{name} is megatron-core's engine's (train.engine=megatron); "
+                "DeepSpeed's is parallel.zero_stage: drop it"
             )
     return None
 
@@ -287,8 +301,11 @@ class _DeepSpeed:
     def step(self, run, micro_batches, probe, stop, writing) -> EngineStep:
         return step(run, micro_batches, probe, stop, writing)
 
-    def score(self, run, batch):
-        return forward(run, batch)[2]  # {name: [sum, count]}
+    def score(self, run, batches):
+        totals = PairSum()
+        for batch in batches:
+            totals.add(forward(run, batch)[2])  # {name: [sum, count]}
+        return totals.totals
 
     def evaluation_weights(self, engine):
         return contextlib.nullcontext()  # ZeRO's weights are in place after its step

@@ -13,14 +13,15 @@ global batch's token count (all-reduced over data-parallel ranks, sent from the 
 A step with a non-finite loss or gradient norm, agreed by every rank, is skipped as the ZeRO
 optimizer skips it (no update, no schedule step).
 
-Device choices (the distributed optimizer and overlapped reductions on GPU, what megatron
-needs on CPU) are made here by the run's device (`engine_choices`, `engine_on`).
+The engine's choices (the distributed optimizer, overlapped reduce and gather, bf16) are the
+config's, on with CUDA where unset (`engine_choices`), so a CPU run can take a GPU run's;
+what a CPU run of megatron needs besides is `engine_on`'s (models/megatron_on_cpu.py). The
+step reads the host once (the agreement: `train_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from ... import collectives
-from ...runtime import batch_to_device
+from ...runtime import batch_to_device, bf16_on
 from .. import progress
 from ..build import build_model
 from ..metrics import PairSum
@@ -113,59 +114,103 @@ def stage_overrides(cfg) -> dict[str, Any]:
 
 def wrap(cfg, device: torch.device, chunks: list[torch.nn.Module], schedule) -> tuple:
     """(MegatronEngine, its learning-rate scheduler) around this rank's built chunks."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    engine_on(device)
-    choices = engine_choices(device)
+    choices = engine_choices(cfg, device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=choices.overlap,
+        overlap_grad_reduce=choices.overlap_grad_reduce,
         use_distributed_optimizer=choices.distributed_optimizer,
-        overlap_param_gather=choices.overlap and choices.distributed_optimizer,
+        overlap_param_gather=choices.overlap_param_gather,
+        bucket_size=cfg.parallel.ddp_bucket_size,
+        # Megatron-LM's --align-param-gather default with virtual stages: every chunk's
+        # gather started at the first chunk's forward (param_sync_func below)
+        align_param_gather=choices.overlap_param_gather and len(chunks) > 1,
     )
-    # bucketing on the first chunk only, as Megatron-LM's get_model does
-    wrapped = [
-        DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
-        for i, c in enumerate(chunks)
-    ]
     optim = cfg.optim
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=optim.lr,
-            min_lr=optim.min_lr,
-            weight_decay=optim.weight_decay,
-            adam_beta1=optim.beta1,
-            adam_beta2=optim.beta2,
-            adam_eps=optim.eps,
-            clip_grad=optim.clip_grad,
-            bf16=choices.bf16,
-            params_dtype=chunks[0].config.params_dtype,
-            use_distributed_optimizer=choices.distributed_optimizer,
-        ),
-        wrapped,
-        use_gloo_process_groups=False,  # none exist (parallel.init_model_parallel)
-    )
+    if choices.bf16:
+        for chunk in chunks:
+            float16_parameters(chunk)
+    with engine_on(device):
+        # bucketing on the first chunk only, as Megatron-LM's get_model does
+        wrapped = [
+            DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)
+        ]
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                min_lr=optim.min_lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.beta1,
+                adam_beta2=optim.beta2,
+                adam_eps=optim.eps,
+                clip_grad=optim.clip_grad,
+                bf16=choices.bf16,
+                params_dtype=chunks[0].config.params_dtype,
+                use_distributed_optimizer=choices.distributed_optimizer,
+            ),
+            wrapped,
+            use_gloo_process_groups=False,  # none exist (parallel.init_model_parallel)
+        )
     apply_group_multipliers(optimizer, optim.weight_decay)
     config = chunks[0].config
     # what Megatron-LM's train() sets before its loop
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
-    if choices.overlap:
+    if choices.overlap_grad_reduce:
         sync = [c.start_grad_sync for c in wrapped]
         config.grad_sync_func = sync if len(wrapped) > 1 else sync[0]
-    config.finalize_model_grads_func = finalize_model_grads
+    if choices.overlap_param_gather and ddp_config.align_param_gather:
+        # the interleaved schedule starts each chunk's gather itself (its first forward)
+        gather = [c.start_param_sync for c in wrapped]
+        config.param_sync_func = gather if len(wrapped) > 1 else gather[0]
+    config.finalize_model_grads_func = finalize_per_token
     return MegatronEngine(wrapped, optimizer, config), LambdaSchedules(optimizer, schedule.factor)
+
+
+def finalize_per_token(model: list, num_tokens=None, pg_collection=None, **options) -> None:
+    """megatron's `finalize_model_grads` (the schedules call it after the last backward: the
+    data-parallel reduction, the tied embedding's sum across stages), then its division of
+    every gradient by the global batch's token count, on the device: megatron's own reads the
+    count on the host (`if num_tokens > 0`, once per model chunk). The count is the last
+    stage's (the other stages' schedules hold 0): summed over the pipeline, then over the
+    data-parallel ranks, as megatron's broadcast and all-reduce do."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, pg_collection=pg_collection, **options)
+    if num_tokens is None:
+        return
+    if pg_collection is not None:
+        pp_group, dp_group = pg_collection.pp, pg_collection.dp_cp
+    else:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    collectives.all_reduce(num_tokens, group=pp_group)
+    collectives.all_reduce(num_tokens, group=dp_group)
+    scaling = 1.0 / num_tokens.clamp(min=1)  # no tokens: megatron leaves the gradients
+    for chunk in model:
+        chunk.scale_gradients(scaling)
+
+
+def float16_parameters(chunk: torch.nn.Module) -> None:
+    """Every trained parameter of `chunk` in its config's params_dtype, as Megatron-LM's
+    Float16Module casts a bf16 model before its DistributedDataParallel (`module.bfloat16()`):
+    megatron's local norms (no Transformer Engine) build their weights in float32, which would
+    otherwise train as float32 parameters in a buffer of their own beside the bf16 ones. EMO's
+    cost embedding (a buffer, frozen) keeps its dtype."""
+    dtype = chunk.config.params_dtype
+    for param in chunk.parameters():
+        if param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def torch_optimizers(optimizer) -> list:
     """The torch optimizers megatron's optimizer holds (one, or one per chained group)."""
-    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [o.optimizer for o in megatron_optimizers(optimizer)]
 
 
 def apply_group_multipliers(optimizer, weight_decay: float) -> None:
@@ -279,26 +324,31 @@ def _schedule(run, micro_batches: list[dict | None], *, forward_only: bool, prob
     )
 
 
-def stage_reports(reports: list[dict], device: torch.device) -> tuple[list[str], torch.Tensor]:
+def stage_reports(
+    reports: list[dict], probe: bool, device: torch.device
+) -> tuple[list[str], torch.Tensor]:
     """(names, [metrics, 2] float64) of the last stage's reports summed over micro-batches,
     on every stage of the pipeline (the console, the metrics and the stop agreement read them
-    on any rank); not yet reduced over data-parallel ranks."""
+    on any rank); not yet reduced over data-parallel ranks. The names are the loss function's
+    (models/gpt.report_names: every stage knows them, so only the values travel, on the
+    device)."""
     from megatron.core import parallel_state
+
+    from ...models.gpt import report_names
 
     totals = PairSum()
     for report in reports:
         totals.add(report)
-    names = sorted(totals.totals)
+    names = report_names(probe)
+    if totals.totals and sorted(totals.totals) != names:  # the last stage's own
+        raise AssertionError(f"loss_func reported {sorted(totals.totals)}, not {names}")
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        pairs = torch.stack([totals.totals[n] for n in names])
-        return names, pairs
-    group = parallel_state.get_pipeline_model_parallel_group()
-    last = parallel_state.get_pipeline_model_parallel_last_rank()
-    names = collectives.broadcast_object(names, src=last, group=group)  # host, a few bytes
+        return names, torch.stack([totals.totals[n] for n in names])
     if totals.totals:
         pairs = torch.stack([totals.totals[n] for n in names])
     else:
         pairs = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
+    group = parallel_state.get_pipeline_model_parallel_group()
     return names, collectives.all_reduce(pairs, group=group)  # one stage holds them
 
 
@@ -313,29 +363,78 @@ def train_step(
         chunk.zero_grad_buffer()
     engine.optimizer.zero_grad()
     reports = _schedule(run, micro_batches, forward_only=False, probe=probe)
-    names, pairs = stage_reports(reports, run.device)
+    names, pairs = stage_reports(reports, probe, run.device)
     local_loss = pairs[names.index("lm loss"), 0]  # this data-parallel rank's loss sum
     dp_pairs = collectives.all_reduce(pairs, group=parallel_state.get_data_parallel_group())
-    agreed = agree(stop, ~torch.isfinite(local_loss), writing)
-    if agreed.nonfinite:
-        return EngineStep(names, dp_pairs, float("nan"), agreed, skipped=True)  # no norm taken
-    # the norm before megatron's step, so a non-finite one skips the step (megatron's own
-    # step would apply it under bf16, having no loss scaler to find it); it is a host
-    # float reduced over the model-parallel ranks, the same on every rank
-    found_inf = engine.optimizer.prepare_grads()
-    norm = engine.optimizer.get_grad_norm()
-    if found_inf or not math.isfinite(norm):
+    # the norm before the update, on the device (`gradient_norm`), so a non-finite one skips
+    # the step in the same agreement as a non-finite loss: the step's one host read.
+    # megatron's own step would take it twice (prepare_grads + get_grad_norm, then clip_grad_norm,
+    # each a read) and apply a non-finite one under bf16, having no loss scaler to find it
+    found_inf = engine.optimizer.prepare_grads()  # a host flag only with a loss scaler
+    norm = gradient_norm(engine.optimizer)
+    nonfinite = ~torch.isfinite(local_loss) | ~torch.isfinite(norm)
+    agreed = agree(stop, nonfinite, writing)
+    if agreed.nonfinite or found_inf:
         return EngineStep(names, dp_pairs, norm, agreed, skipped=True)
-    engine.optimizer.step()
+    if run.cfg.optim.clip_grad > 0:
+        clip_gradients(engine.optimizer, run.cfg.optim.clip_grad, norm)
+    engine.optimizer.step_with_ready_grads()
     run.scheduler.step()
     return EngineStep(names, dp_pairs, norm, agreed, skipped=False)
 
 
-def score(run, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One held-out batch's report {name: [sum, count]} on every stage (forward only)."""
-    names, pairs = stage_reports(
-        _schedule(run, [batch], forward_only=True, probe=False), run.device
-    )
+def gradient_norm(optimizer) -> torch.Tensor:
+    """The L2 norm of the step's gradients before clipping, a 0-dim float32 tensor on the
+    device: megatron's get_grad_norm_fp32 (each optimizer's main gradients for the norm, shared
+    and tensor-parallel duplicates left out, their squares summed over its grad-stats group:
+    the model-parallel ranks, and the data-parallel ones with the distributed optimizer),
+    without its host read (`.item()`)."""
+    total = None
+    for inner in megatron_optimizers(optimizer):
+        grads = inner.get_main_grads_for_grad_norm()
+        if grads:
+            squares = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+        else:
+            squares = torch.zeros((), dtype=torch.float32, device=_device_of(inner))
+        collectives.all_reduce(squares, group=inner.get_grad_stats_parallel_group())
+        total = squares if total is None else total + squares
+    return total.sqrt()
+
+
+def clip_gradients(optimizer, max_norm: float, norm: torch.Tensor) -> None:
+    """megatron's clip_grad_by_total_norm_fp32 with the norm already taken: every main
+    gradient times max_norm / (norm + 1e-6) where that is below 1, on the device (x 1.0
+    elsewhere, which leaves a gradient as it is)."""
+    coefficient = (max_norm / (norm + 1.0e-6)).clamp(max=1.0)
+    for inner in megatron_optimizers(optimizer):
+        grads = [p.grad for p in inner.get_parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coefficient)
+
+
+def megatron_optimizers(optimizer) -> list:
+    """megatron's optimizers inside `optimizer` (one, or each of a chained optimizer's)."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def _device_of(inner) -> torch.device:
+    return next(p.device for p in inner.get_parameters())
+
+
+def score(run, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Held-out micro-batches' report {name: [sum, count]} on every stage (forward only), in
+    one schedule call, so the stages work on them side by side as in training. The
+    interleaved schedule takes a multiple of the pipeline's size: a shorter last group is
+    filled with copies of its last micro-batch, whose reports are dropped (megatron's
+    schedules return the last stage's reports in micro-batch order)."""
+    from megatron.core import parallel_state
+
+    filled = list(batches)
+    if len(run.engine.chunks) > 1:
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        filled += [batches[-1]] * (-len(batches) % pp)
+    reports = _schedule(run, filled, forward_only=True, probe=False)[: len(batches)]
+    names, pairs = stage_reports(reports, False, run.device)
     return {name: pairs[i] for i, name in enumerate(names)}
 
 
@@ -354,25 +453,21 @@ def parameter_count(engine: MegatronEngine, device: torch.device) -> int:
 def build_stages(cfg, device: torch.device, tokenizer) -> list[torch.nn.Module]:
     """This rank's model chunks for megatron's engine: one per virtual stage of its pipeline
     stage, each with its layers (megatron numbers them from the stage's offset) and the
-    initial weights of those layers. A random start seeds each chunk with train.seed +
-    100 x its pipeline rank (Megatron-LM's offset) + its virtual stage, so no two chunks
-    draw the same weights; the first chunk of the first stage, the whole model at PP 1,
-    draws what the deepspeed engine's build draws."""
-    from megatron.core import parallel_state
-
+    initial weights of those layers. A random start draws each of its tensors from
+    train.seed and the tensor's global name (training/initial_weights.initialize_weights),
+    so the chunks together are the model the deepspeed engine's build draws, at any layout.
+    Every chunk seeds its generators with train.seed itself, not Megatron-LM's
+    train.seed + 100 x pipeline rank: that offset gives each stage its own dropout masks,
+    and our models have no dropout (models/llama.transformer_config)."""
     overrides = {
         **stage_overrides(cfg),
         **pipeline_overrides(device, cfg.parallel.pipeline_parallel),
         **fusion_overrides(device),
     }
     chunks = []
-    offset = 100 * parallel_state.get_pipeline_model_parallel_rank()
-    for v, flags in enumerate(stage_flags(cfg.parallel.virtual_pipeline_parallel)):
+    for flags in stage_flags(cfg.parallel.virtual_pipeline_parallel):
         with building_stages(device):  # tied embeddings: the last stage's copy
-            chunk = build_model(
-                cfg, device, tokenizer, stage=flags, seed_offset=offset + v, **overrides
-            )
-        chunks.append(chunk)
+            chunks.append(build_model(cfg, device, tokenizer, stage=flags, **overrides))
     return chunks
 
 
@@ -381,29 +476,45 @@ def build_stages(cfg, device: torch.device, tokenizer) -> list[torch.nn.Module]:
 
 @dataclass(frozen=True)
 class EngineChoices:
-    """What megatron-core's engine runs on a device."""
+    """What megatron-core's engine runs: the config's parallel.distributed_optimizer,
+    overlap_grad_reduce, overlap_param_gather and train.bf16, each on with CUDA where unset.
+    The same choices run on CPU when the config sets them (the suite runs the GPU
+    configuration so: models/megatron_on_cpu.py replaces only the calls that need CUDA)."""
 
-    distributed_optimizer: bool  # sharded fp32 masters and moments (CUDA tensors only)
-    overlap: bool  # gradient reduction and parameter all-gather behind compute (buckets)
+    distributed_optimizer: bool  # sharded fp32 masters and moments, reduce-scatter + gather
+    overlap_grad_reduce: bool  # each bucket's gradient reduction behind backward
+    overlap_param_gather: bool  # each bucket's weight gather behind the next forward
     bf16: bool  # bf16 parameters with fp32 masters
 
 
-def engine_choices(device: torch.device) -> EngineChoices:
-    """GPU: megatron's distributed optimizer (it refuses CPU tensors: "Wrapped parameters
-    must be one of torch.cuda.FloatTensor ..."), overlapped reductions, bf16; CPU: megatron's
-    FP32 optimizer, reductions after backward, float32."""
-    gpu = device.type == "cuda"
-    return EngineChoices(distributed_optimizer=gpu, overlap=gpu, bf16=gpu)
+def engine_choices(cfg, device: torch.device) -> EngineChoices:
+    """The run's choices (`EngineChoices`) on `device`: what the config sets, else what
+    Megatron-LM runs on a GPU (all on) and what megatron's float32 path runs elsewhere."""
+    cuda = device.type == "cuda"
+    parallel = cfg.parallel
+
+    def chosen(setting: bool | None) -> bool:
+        return cuda if setting is None else setting
+
+    distributed = chosen(parallel.distributed_optimizer)
+    return EngineChoices(
+        distributed_optimizer=distributed,
+        overlap_grad_reduce=chosen(parallel.overlap_grad_reduce),
+        overlap_param_gather=distributed and chosen(parallel.overlap_param_gather),
+        bf16=bf16_on(cfg.train.bf16, device),
+    )
 
 
-def engine_on(device: torch.device) -> None:
-    """Ready megatron-core's schedules, DDP and optimizer for a run on `device`: on CPU their
-    hard-coded CUDA allocations are moved to the CPU (models/megatron_on_cpu.py, a process-
-    wide rebinding in megatron's modules); nothing on GPU."""
+def engine_on(device: torch.device):
+    """Around building megatron-core's DDP and optimizer for a run on `device` (a context):
+    on CPU their hard-coded CUDA allocations are moved to the CPU and their CUDA type checks
+    read a CPU tensor as its CUDA twin (models/megatron_on_cpu.py); nothing on GPU."""
     if device.type == "cpu":
         from ...models import megatron_on_cpu
 
         megatron_on_cpu.rebind()
+        return megatron_on_cpu.cuda_type_names()
+    return contextlib.nullcontext()
 
 
 def building_stages(device: torch.device):
@@ -444,6 +555,11 @@ def config_problem(cfg) -> str | None:
     """What megatron's engine cannot do with the rest of the config, in one line (None:
     nothing)."""
     parallel = cfg.parallel
+    if parallel.overlap_param_gather and parallel.distributed_optimizer is False:
+        return (
+            "parallel.overlap_param_gather=true needs parallel.distributed_optimizer (only its "
+            "weights are gathered): set it true or leave it unset"
+        )
     if cfg.train.checkpoints and not cfg.train.layout_free_checkpoints:
         return (
             "train.layout_free_checkpoints=false keeps DeepSpeed's own optimizer state, which "
@@ -548,7 +664,7 @@ def memory_plan(cfg, world_size: int, gpu_memory_gib: float | None):
     virtual = cfg.parallel.virtual_pipeline_parallel
     dp = cfg.data_parallel_size(world_size)
     micro_batches = cfg.accumulation_steps(world_size)
-    distributed = engine_choices(torch.device("cuda")).distributed_optimizer
+    distributed = engine_choices(cfg, torch.device("cuda")).distributed_optimizer
     b, s = cfg.train.micro_batch_size, cfg.train.seq_len
     recompute = cfg.train.activation_checkpointing
     plans = []

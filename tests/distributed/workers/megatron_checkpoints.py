@@ -32,7 +32,7 @@ SAVED_AT = 2
 def start(tokenizer: str, manifest: str, init_dir: Path, variant: str, out: Path):
     from del_megatron.training.trainer import setup
 
-    tied = variant.endswith("+tied")
+    tied = "+tied" in variant
     cfg = config(tokenizer, manifest, variant, str(init_dir / ("tied" if tied else "untied")))
     cfg = cfg.model_copy(
         update={

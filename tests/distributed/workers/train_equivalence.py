@@ -39,7 +39,8 @@ def config(tokenizer: str, manifest: str, tp: int, zero: int, kind: str, micro: 
                 "num_attention_heads": 4,
                 "num_query_groups": 2,
                 "max_position_embeddings": 64,
-                # 800 is a multiple of 16 x TP for TP 1 and 2: one padded size, one init
+                # 800 is a multiple of 16 x TP for TP 1 and 2: one padded size at both (no
+                # longer what makes one initial model: models/random_start.py draws one at any)
                 "make_vocab_size_divisible_by": 16,
             },
             "loss": {
@@ -53,7 +54,12 @@ def config(tokenizer: str, manifest: str, tp: int, zero: int, kind: str, micro: 
                 "zero_stage": zero,
                 "collective_timeout_minutes": TIMEOUT_MINUTES,
             },
-            "optim": {"lr": 1e-3, "warmup_fraction": 0.2, "clip_grad": 1.0},
+            # Adam's eps at 1e-6, not 1e-8: a weight whose gradient is near 1e-8 (the random
+            # start has some) gets an update of g / (|g| + eps), which two equal sums apart in
+            # their last bits make 2% of a step apart at eps 1e-8 (2.4e-5 after 5 steps
+            # against the 2e-5 bound, fused against unfused at ZeRO 3); eps 1e-6 damps only
+            # the updates of gradients below about 1e-5
+            "optim": {"lr": 1e-3, "warmup_fraction": 0.2, "clip_grad": 1.0, "eps": 1e-6},
             "train": {
                 "steps": 5,
                 "micro_batch_size": micro,
