@@ -17,10 +17,11 @@ Read in this order (each module one job; docs/checkpoints.md has the format and 
 8. `optim_state.py`: a rank's part of the layout-free state, saved and loaded through the
    adapter.
 9. `rng.py`: each rank's generators, and the seed of a resume at another layout.
-10. `save.py`: the training thread's half of a save (collectives and host copies).
-11. `writer.py`: the files written behind training (no collective).
-12. `publish.py`: the agreement, files.json, the rename, old checkpoints out.
-13. `load.py`: the layout rules, the checks before a load, the load.
+10. `host.py`: a save's host copies, queued into page-locked memory, waited for once.
+11. `save.py`: the training thread's half of a save (collectives and host copies).
+12. `writer.py`: the files written behind training (no collective).
+13. `publish.py`: the agreement, files.json, the rename, old checkpoints out.
+14. `load.py`: the layout rules, the checks before a load, the load.
 
 What may change when a run continues is training's (training/resume_changes.py). Callers
 import the module they need (`from del_megatron.checkpoint import save`); nothing is

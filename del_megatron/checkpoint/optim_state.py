@@ -20,6 +20,7 @@ import torch
 from ..models.hf_tensors import canonical
 from ..models.sharding import partition_of_param
 from .adapter import Adapter
+from .host import host_copies
 from .optim_format import (
     BUFFER,
     FORMAT,
@@ -49,10 +50,12 @@ from .optim_format import (
 def snapshot(adapter: Adapter, *, tp_rank: int, vocab_size: int) -> Pieces:
     """This rank's ranges of every trained parameter that it writes (`adapter.owned`,
     `adapter.writes`, cut to the stored elements), master and both moments, copied to the
-    host: no collective, and nothing the next optimizer step changes (on CPU too, where the
-    optimizer's tensors are host tensors already). A replicated parameter is kept by
-    tensor-parallel rank 0's ranks only (every tensor-parallel rank holds the same)."""
-    out: Pieces = []
+    host in float32: no collective, and nothing the next optimizer step changes (on CPU too,
+    where the optimizer's tensors are host tensors already). The copies are queued
+    (`host.host_copies`): read them after the device is waited for (`save.save`, once a
+    save). A replicated parameter is kept by tensor-parallel rank 0's ranks only (every
+    tensor-parallel rank holds the same)."""
+    ranges: list[tuple[str, int, int, list[torch.Tensor]]] = []  # on the device
     for name, param in adapter.parameters():
         span = adapter.owned(param)
         if span is None or not adapter.writes(param):
@@ -63,15 +66,10 @@ def snapshot(adapter: Adapter, *, tp_rank: int, vocab_size: int) -> Pieces:
         stop = min(span[1], stored_numel(name, adapter.shard_shape(param), vocab_size, tp_rank))
         if stop <= start:  # a range of padding rows only
             continue
-        values = {
-            key: adapter.get(param, key)
-            .narrow(0, 0, stop - start)
-            .detach()
-            .to("cpu", torch.float32, copy=True)
-            for key in KEYS
-        }
-        out.append((name, start, stop, values))
-    return out
+        views = [adapter.get(param, key).narrow(0, 0, stop - start).detach() for key in KEYS]
+        ranges.append((name, start, stop, views))
+    copies = iter(host_copies((v for *_, views in ranges for v in views), torch.float32))
+    return [(n, start, stop, {key: next(copies) for key in KEYS}) for n, start, stop, _ in ranges]
 
 
 def _described(adapter: Adapter, vocab_size: int, pp_rank: int | None) -> dict[str, list]:
@@ -116,7 +114,8 @@ def save_job(
     extra: dict[str, Any],
 ) -> Callable[[], dict[str, dict[str, Any]]]:
     """This rank's part of `directory/optim/`, in two halves. Now (every rank must call it):
-    a host copy of its own ranges (`snapshot`) and one gather of the fragment table, a few
+    a host copy of its own ranges and buffers (`snapshot`; queued: the job may run only after
+    the device is waited for, as `save.save` does) and one gather of the fragment table, a few
     bytes a parameter (no full-tensor collective). Returned: the job that writes them, and on
     global rank 0 the index, with `extra` (schedule, counters) in it — host data only, no
     collective, so it can run behind training (checkpoint/writer.py). `vocab_size`: the
@@ -137,7 +136,7 @@ def save_job(
         (name, b.narrow(0, 0, stored_shape(name, tuple(b.shape), vocab_size, tp_rank)[0]))
         for name, b in (adapter.buffers() if dp_rank == 0 else [])
     ]
-    buffers = [(name, b.to("cpu", copy=True)) for name, b in buffers]
+    buffers = list(zip([n for n, _ in buffers], host_copies(b for _, b in buffers), strict=True))
     name = file_name(tp_rank, dp_rank, pp_rank)
     metadata = {"format": str(FORMAT), "tensor_parallel_rank": str(tp_rank)}
     table = [(n, start, stop) for n, start, stop, _ in pieces]

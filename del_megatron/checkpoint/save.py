@@ -1,7 +1,8 @@
 """The training thread's half of a save: every collective, and a host copy of what this rank
 writes (the layout-free optimizer state through the engine's adapter, the weights, RNG, the
-data state, the record); the files are written behind training by checkpoint/writer.py and
-made a checkpoint by publish.py.
+data state, the record; the tensors' copies queued into page-locked memory, host.py, and
+waited for once); the files are written behind training by checkpoint/writer.py and made a
+checkpoint by publish.py.
 
 Everything of a checkpoint is written under `checkpoints/.tmp-step-NNNNNNN/` and the
 directory is renamed to `step-NNNNNNN/` by rank 0 once every rank has written and flushed
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import collectives
+from .. import collectives, runtime
 from ..data.state import rank_record, saved_file
 from ..outputs import free_bytes, is_no_space, no_space
 from . import optim_state, writer
@@ -75,6 +76,9 @@ def save(
         directories, jobs, background = _jobs(
             parts, tmp, step, loader, record, counters, layout_free, background
         )
+        # the host copies `_jobs` queued (host.host_copies), waited for once: before the
+        # writer reads them, and before the next step changes what they copy
+        runtime.synchronize(parts.device)
         writing = writer.start(jobs, directories, background=background)
     except Exception as err:  # torch.save and DeepSpeed wrap the OSError in RuntimeError
         if is_no_space(err):
@@ -198,8 +202,9 @@ def _weights_job(parts: Parts, directory: Path, record: Record) -> writer.Job | 
     from data-parallel rank 0 of each tensor-parallel rank (and stage), in the training
     dtype with canonical (local-spec) names, layers by their global number, arch.json and
     the tokenizer: what del-convert megatron-to-hf and init.megatron read, safe to load
-    (safetensors, no pickle). The host copy is taken now (under ZeRO 3 a gather every
-    data-parallel rank joins)."""
+    (safetensors, no pickle). The host copy is queued now (`Adapter.host_weights`, through
+    host.host_copies; under ZeRO 3 a gather every data-parallel rank joins) and waited for
+    by `save`."""
     from ..models.weight_files import WEIGHTS, rank_file, write_rank_weights, write_weights_record
 
     place, adapter = parts.place, parts.adapter

@@ -33,6 +33,7 @@ import torch
 from ...checkpoint import writer
 from ...checkpoint.adapter import FP32, saved_buffers, trained_parameters
 from ...checkpoint.directory import CheckpointError
+from ...checkpoint.host import host_copies
 from ...checkpoint.native import TAG
 from ...errors import one_line
 
@@ -242,18 +243,26 @@ def _local_piece(param: torch.nn.Parameter, key: str) -> torch.Tensor:
 
 
 def host_weights(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, torch.Tensor]:
-    """{name: host copy} of this rank's parameters when `keep` (else {}). Under ZeRO 3 every
+    """{name: host copy} of this rank's parameters when `keep` (else {}), queued
+    (checkpoint/host.host_copies: the save waits for them once). Under ZeRO 3 every
     data-parallel rank takes part in gathering each parameter (a collective), one parameter
     at a time: a device holds its shard of the model plus one whole parameter, never the
-    whole model."""
+    whole model (each copy is queued inside its parameter's gather)."""
     import deepspeed
 
-    weights = {}
-    for name, param in module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], enabled=zero3):
-            if keep:  # a copy: the next step changes the parameter (on CPU, in place)
-                weights[name] = param.detach().to("cpu", copy=True)
-    return weights
+    names = [name for name, _ in module.named_parameters()]
+
+    def gathered():
+        for _, param in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], enabled=zero3):
+                yield param.detach()
+
+    if not keep:
+        for _ in gathered():  # the gathers, which every rank joins
+            pass
+        return {}
+    # copies: the next step changes the parameters (on CPU, in place)
+    return dict(zip(names, host_copies(gathered()), strict=True))
 
 
 @dataclass(frozen=True)

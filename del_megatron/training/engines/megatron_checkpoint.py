@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ...checkpoint.adapter import FP32, saved_buffers
+from ...checkpoint.host import host_copies
 from ...models.sharding import global_name
 
 
@@ -248,15 +249,14 @@ class MegatronAdapter:
 
     def host_weights(self, keep: bool) -> dict[str, torch.Tensor]:
         """{global name: host copy} of this stage's parameters when `keep`, gathered first
-        where the last step's gather waits for the next forward (`synced_weights`)."""
+        where the last step's gather waits for the next forward (`synced_weights`); queued
+        (checkpoint/host.host_copies: the save waits for them once)."""
         from .megatron import synced_weights
 
         with synced_weights(self.engine):
-            return {
-                name: param.detach().to("cpu", copy=True)
-                for name, param in self.parameters()
-                if keep
-            }
+            params = self.parameters() if keep else []
+            copies = host_copies(param.detach() for _, param in params)
+            return dict(zip([name for name, _ in params], copies, strict=True))
 
     def state_bytes(self) -> tuple[int, int]:
         """(trained elements of this rank's tensor-parallel shard over the whole pipeline,

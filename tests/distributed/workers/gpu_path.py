@@ -8,9 +8,14 @@ backward the trainer promises to be its loss' own, scaled), all under
 host memory from those on the device. Each rank writes what it saw to
 OUT.rank<r>.json: violations (a host tensor at a collective, host and device tensors mixed
 in an op) and the host synchronisations our code made in each phase (each train_step call,
-evaluation, checkpoint, reporter flush).
+evaluation, checkpoint, reporter flush), and megatron-core's own in each train_step.
 
-argv: tokenizer manifest kind out [resume_kind, default kind]
+`engine`: deepspeed (ZeRO 1, data parallel 2), or megatron in its GPU configuration on two
+pipeline stages (megatron's distributed optimizer, overlapped gradient reduction and weight
+gathering, bf16 weights with fp32 masters: what engines/megatron.engine_choices picks on a
+GPU).
+
+argv: tokenizer manifest kind out [resume_kind (default: kind) [engine (default: deepspeed)]]
 """
 
 from __future__ import annotations
@@ -27,7 +32,19 @@ from residency import Residency
 from del_megatron.config import parse_run_config
 
 
-def config(tokenizer: str, manifest: str, kind: str, out: str, steps: int):
+def config(
+    tokenizer: str, manifest: str, kind: str, out: str, steps: int, engine: str = "deepspeed"
+):
+    parallel = {"tensor_parallel": 1, "zero_stage": 1}
+    train = {}
+    if engine == "megatron":
+        parallel |= {
+            "pipeline_parallel": 2,
+            "distributed_optimizer": True,
+            "overlap_grad_reduce": True,
+            "overlap_param_gather": True,
+        }
+        train = {"engine": "megatron", "bf16": True}
     return parse_run_config(
         {
             "model": {
@@ -41,17 +58,18 @@ def config(tokenizer: str, manifest: str, kind: str, out: str, steps: int):
                 "make_vocab_size_divisible_by": 16,
             },
             "loss": {"kind": kind.removesuffix("+fused"), "fused_output": kind.endswith("+fused")},
-            "parallel": {"tensor_parallel": 1, "zero_stage": 1},
+            "parallel": parallel,
             "optim": {"lr": 1e-3, "warmup_fraction": 0.2},
             "train": {
                 "steps": steps,
                 "micro_batch_size": 2,
-                "global_batch_size": 8,  # 2 micro-batches a step on each of 2 ranks
+                "global_batch_size": 8,  # 2 micro-batches a step on each of 2 ranks (PP 2: 4)
                 "seq_len": 32,
                 "device": "cpu",
                 "log_interval": 3,
                 "eval_interval": 2,
                 "save_interval": 2,
+                **train,
             },
             "data": {
                 "tokenizer": tokenizer,
@@ -68,13 +86,17 @@ def config(tokenizer: str, manifest: str, kind: str, out: str, steps: int):
 def main() -> None:
     tokenizer, manifest, kind, out = sys.argv[1:5]
     resume_kind = sys.argv[5] if len(sys.argv) > 5 else kind
-    from del_megatron.checkpoint import load, save
+    engine = sys.argv[6] if len(sys.argv) > 6 else "deepspeed"
+    from del_megatron import runtime
+    from del_megatron.checkpoint import host, load, save
     from del_megatron.data import StreamingLoader
     from del_megatron.training import trainer
     from del_megatron.training.metrics import Reporter
 
-    residency = Residency()
+    residency = Residency(library_phases=("train_step",))  # megatron-core's reads too
     residency.watch_collectives()
+    host.host_buffer = residency.pinned(host.host_buffer)  # page-locked on a GPU
+    runtime.synchronize = residency.waits(runtime.synchronize)
     from del_megatron.losses import fused, vocab_parallel
 
     for function in (vocab_parallel._VocabParallelParts, fused._FusedParts):
@@ -86,10 +108,12 @@ def main() -> None:
     load.load = residency.phased("checkpoint.load", load.load)
     if hasattr(Reporter, "flush"):
         Reporter.flush = residency.phased("flush", Reporter.flush)
-    run_dir = str(Path(out).parent / "run")
+    run_dir = str(Path(out).parent / f"{Path(out).name}.run")
     with residency:
-        first = trainer.train(config(tokenizer, manifest, kind, run_dir, 4))
-        second = trainer.train(config(tokenizer, manifest, resume_kind, run_dir, 6), resume="auto")
+        first = trainer.train(config(tokenizer, manifest, kind, run_dir, 4, engine))
+        second = trainer.train(
+            config(tokenizer, manifest, resume_kind, run_dir, 6, engine), resume="auto"
+        )
     rank = dist.get_rank()
     report = {
         "violations": residency.violations,
