@@ -27,9 +27,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_RANK_SWITCH = "DEL_COLLECTIVES_ON_ONE_RANK"  # del_megatron/collectives.py's ON_ONE_RANK
-BUDGET_S = 8 * 60  # the one-GPU plan on one H200
+# The one-GPU plan on one H200, under the 10 minutes a lent machine runs one command: 8
+# minutes before the megatron engine's own straight run and the engines' benchmark (issue
+# 50, 75 s more). Rows of two ranks run on two GPUs only (gpus_needed), outside it.
+BUDGET_S = 570
 WHEELS = ROOT / ".whl"  # bench/fetch_gpu_wheels.sh; installed into $DEL_SITE
 CARRIED = ("megatron-core", "deepspeed", "pydantic", "webdataset")  # what .whl/ brings
+# pyproject.toml's requirements the install row judges: the carried ones, and the image's
+# torch (not carried; its floor is the oldest API the code calls, tests/test_dependency_floors.py)
+JUDGED = ("torch", *CARRIED)
 NUMBER = r"([-+0-9.eE]+|nan|inf)"
 
 
@@ -143,17 +149,18 @@ def visible(path: list[str]) -> dict:
     return {canonical(d.metadata["Name"]): d for d in [*metadata.distributions(path=path)][::-1]}
 
 
-def carried_requirements(pyproject: Path) -> list[str]:
-    """pyproject.toml's requirements of the carried packages (one source of the versions)."""
+def judged_requirements(pyproject: Path) -> list[str]:
+    """pyproject.toml's requirements of JUDGED's packages (one source of the versions)."""
     import tomllib
 
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    return [d for d in deps if canonical(re.match(r"[\w.-]+", d)[0]) in CARRIED]
+    return [d for d in deps if canonical(re.match(r"[\w.-]+", d)[0]) in JUDGED]
 
 
 def check_install(c: Check) -> str:
     """.whl/'s wheels where the interpreter lacks the distribution or has an older one (pip
-    picks the file for this Python); then what they and pyproject.toml require must be met."""
+    picks the file for this Python); then what they require, and pyproject.toml of them and
+    of the image's torch, must be met."""
     try:  # pip's copy where the image lacks packaging
         from packaging.requirements import Requirement
         from packaging.version import Version
@@ -173,7 +180,7 @@ def check_install(c: Check) -> str:
               "--no-compile", "--upgrade", "--find-links", str(WHEELS), "--target", site, *todo)
         have = visible([site, *sys.path])
     c.figures["installed"] = todo
-    wanted = [("pyproject.toml", r) for r in carried_requirements(ROOT / "pyproject.toml")]
+    wanted = [("pyproject.toml", r) for r in judged_requirements(ROOT / "pyproject.toml")]
     wanted += [(n, r) for n in sorted(carried.keys() & have.keys()) for r in have[n].requires or []]
     unmet = []
     for who, text in wanted:
@@ -186,7 +193,9 @@ def check_install(c: Check) -> str:
                                    (dist.version, Version(dist.version).base_version)):
             unmet.append(f"{who} needs {requirement}" + (f", has {dist.version}" if dist else ""))
     if unmet:
-        raise Failed(f"{python}: {'; '.join(unmet)[:300]} (wheels: {WHEELS}, "
+        where = "the image's torch: DEL_PYTHON picks the interpreter; " if any(
+            re.match(r"pyproject.toml needs torch\b", u) for u in unmet) else ""
+        raise Failed(f"{python}: {'; '.join(unmet)[:300]} ({where}wheels: {WHEELS}, "
                      "bash bench/fetch_gpu_wheels.sh)")
     return f"{python}: " + (", ".join(todo) or "nothing missing")
 
@@ -320,12 +329,15 @@ def check_data(c: Check) -> str:
     return "launch/tiny_data.sh: corpus, tokenizer, shards"
 
 
-def tiny(c: Check, run: str, tp: int, *overrides: str, data: bool = True) -> list[str]:
-    """launch/torchrun.sh of configs/tiny_cpu.yaml on this mode's device, output in work/run."""
+def tiny(c: Check, run: str, tp: int, *overrides: str, data: bool = True,
+         procs: int | None = None) -> list[str]:
+    """launch/torchrun.sh of configs/tiny_cpu.yaml on this mode's device, output in work/run;
+    `procs` processes (default: tp, data parallel 1)."""
     d = c.work / "data"
     own = [f"data.tokenizer={d}/tokenizer.model",
            f"eval.sources=[{{manifest: {d}/shards/heldout/manifest.json}}]"] if data else []
-    return ["bash", "launch/torchrun.sh", "--nproc-per-node", str(tp), "configs/tiny_cpu.yaml",
+    return ["bash", "launch/torchrun.sh", "--nproc-per-node", str(procs or tp),
+            "configs/tiny_cpu.yaml",
             f"train.device={c.mode.device}", f"train.steps={c.mode.steps}",
             f"train.log_interval={c.mode.stop_at}", "eval.max_batches=2",
             "train.deterministic=true", "logging.wandb=disabled", "logging.progress_bar=false",
@@ -423,18 +435,76 @@ def check_stop_resume(c: Check, tp: int) -> str:
     return f"SIGUSR1, exit 75 at step {stopped_at}, resumed to {c.mode.steps}"
 
 
+def megatron(c: Check, run: str, procs: int = 1, *overrides: str) -> list[str]:
+    """The tiny run on train.engine=megatron at TP 1 (on GPU megatron's distributed optimizer,
+    bf16 with fp32 masters, overlapped reductions; on the CPU its FP32 optimizer); `procs`
+    processes: data parallel, or pipeline stages with parallel.pipeline_parallel."""
+    return tiny(c, run, 1, "train.engine=megatron", *overrides, procs=procs)
+
+
+def against(c: Check, run: Path, reference: Path) -> None:
+    """run, judged, against another layout's run of the same data from the same weights: step
+    1's loss and gradient norm (the same weights and batch, forward and backward) within
+    STEP1, every loss within LATER (the updates since), as the fused run's."""
+    ours, theirs = metrics(run), metrics(reference)
+    judge_run(c, ours)
+    if sorted(theirs) != sorted(ours):
+        raise Failed(f"{reference.name}'s metrics.jsonl has steps {sorted(theirs)[:4]}..., "
+                     f"{run.name}'s {sorted(ours)[:4]}...")
+    for key in ("loss", "grad_norm"):
+        c.below(f"step1_{key}_rel_diff", relative(ours[1][key], theirs[1][key]), *STEP1)
+    c.below("loss_max_rel_diff", loss_diff(ours, theirs), *LATER)
+
+
 def check_megatron_engine(c: Check) -> str:
-    """train.engine=megatron at PP 1 on one GPU (megatron's distributed optimizer, bf16 with
-    fp32 masters, overlapped reductions; on the CPU its FP32 optimizer): SIGUSR1 at stop_at
-    (exit 75: a checkpoint of the distributed optimizer's ranges through the engine's
-    adapter), then the same command resumes it to the end. Every loss is judged against the
-    deepspeed engine's straight run (train-tp1) within ENGINES: the two engines round their
-    reductions differently in bf16, and megatron's optimizer decays no bias or norm weight."""
+    """train.engine=megatron at TP 1 x PP 1 x DP 1, straight (the resume's and the pipeline
+    rows' reference). Loose: every loss against the deepspeed engine's straight run
+    (train-tp1) within ENGINES, the two engines rounding their reductions differently in bf16
+    and megatron's optimizer decaying no bias or norm weight; what it catches is a wrong
+    gradient scale or update, whose losses part by more."""
     run = c.work / "megatron-tp1"
-    stopped_at = stop_and_resume(c, run, tiny(c, run.name, 1, "train.engine=megatron"))
+    c.run(*megatron(c, run.name))
     judge_run(c, metrics(run))
     c.below("loss_max_rel_diff", loss_diff(metrics(run), metrics(c.work / "train-tp1")), *ENGINES)
-    return f"megatron's engine: exit 75 at step {stopped_at}, resumed, as deepspeed's run"
+    return "megatron's engine, as deepspeed's run"
+
+
+def check_megatron_resume(c: Check, straight: str, procs: int) -> str:
+    """The megatron engine's stop and resume against its own straight run of the same command
+    (`straight`), bit for bit (bit_for_bit): SIGUSR1 at stop_at (exit 75: a checkpoint of
+    the optimizer's ranges through the engine's adapter), then the same command resumes it.
+    At DP 2 each rank's distributed-optimizer range is part of a bucket; at DP 1 a whole
+    one (issue 50 finding 12)."""
+    run = c.work / straight.replace("megatron-", "megatron-resume-")
+    stopped_at = stop_and_resume(c, run, megatron(c, run.name, procs))
+    bit_for_bit(c, run, c.work / straight)
+    return f"exit 75 at step {stopped_at}, resumed to {c.mode.steps}: {straight}'s bit for bit"
+
+
+def check_megatron_layout(c: Check, run: str, procs: int, *overrides: str) -> str:
+    """The megatron engine at a layout of two ranks against its one-GPU run (megatron-tp1):
+    the same data (one data-parallel rank, one loader worker), the same initial weights
+    (built by global layer number at any split); bounds as the fused run's: step 1 within
+    STEP1, every loss within LATER (in bf16 the stages' and the fused op's sums round in
+    other orders). A stage fed the wrong batch, a gradient lost between stages or chunks, or
+    the fused head's output weight read stale moves step 1's loss or gradient norm; a stage
+    updated wrongly, the later losses."""
+    c.run(*megatron(c, run, procs, *overrides))
+    against(c, c.work / run, c.work / "megatron-tp1")
+    return f"{' '.join(overrides)}: as megatron-tp1's run"
+
+
+def check_megatron_dp2(c: Check) -> str:
+    """The megatron engine at DP 2 (two ranks of TP 1: the distributed optimizer's gradients
+    reduce-scattered and weights all-gathered over two ranges of a bucket; the tiny model's
+    ~1M parameters are one bucket of megatron's 40M default) against DP 1 on the same data:
+    one process with two loader workers reads the two loader slots that the two ranks read,
+    batch i of a step from slot i (docs/data.md, "As many slots"), so a step sums the same
+    two micro-batches. Bounds as check_megatron_layout's."""
+    c.run(*megatron(c, "megatron-2workers", 1, "data.num_workers=2"))
+    c.run(*megatron(c, "megatron-dp2", 2))
+    against(c, c.work / "megatron-dp2", c.work / "megatron-2workers")
+    return "DP 2 (distributed optimizer over two ranks): as DP 1 with two loader workers"
 
 
 def stop_and_resume(c: Check, run: Path, command: list[str]) -> int:
@@ -474,6 +544,41 @@ def as_straight_run(c: Check, run: Path, straight: Path) -> None:
                      "names or shapes")
     difference = max((x[k].double() - y[k].double()).abs().max().item() for k in x)
     c.below("weights_max_abs_diff", difference, *RESUMED)
+
+
+def bit_for_bit(c: Check, run: Path, straight: Path) -> None:
+    """run (stopped and resumed), judged, against the straight run of the same command, on
+    the GPU as on the CPU (train.deterministic): every step's loss and gradient norm equal,
+    and the final checkpoint's weight and optimizer-state files byte for byte
+    (docs/checkpoints.md: model/tpNN[-ppKK].safetensors, optim/tpNN[-ppKK]-dpMM.safetensors).
+    A restored Adam state that is off moves the losses after the resume by ~6e-4 (docs/log.md,
+    2026-12-04), inside any bf16 bound between two engines (2e-2 before: passed)."""
+    ours, theirs = metrics(run), metrics(straight)
+    judge_run(c, ours)
+    if sorted(theirs) != sorted(ours):
+        raise Failed(f"{straight.name}'s metrics.jsonl has steps {sorted(theirs)[:4]}..., "
+                     f"{run.name}'s {sorted(ours)[:4]}...")
+    c.figures["loss_max_rel_diff"] = loss_diff(ours, theirs)
+    for step in sorted(ours):
+        for key in ("loss", "grad_norm"):
+            if ours[step][key] != theirs[step][key]:  # exact floats (metrics.jsonl)
+                raise Failed(f"step {step}: {key} {ours[step][key]!r} in {run.name}, "
+                             f"{theirs[step][key]!r} in {straight.name}: not bit for bit")
+    final = f"checkpoints/step-{c.mode.steps:07d}"
+    x, y = ({str(p.relative_to(d / final)): p for part in ("model", "optim")
+             for p in sorted((d / final / part).glob("*.safetensors"))} for d in (run, straight))
+    if x.keys() != y.keys() or not all(any(n.startswith(part) for n in x)
+                                       for part in ("model/", "optim/")):
+        raise Failed(f"the final checkpoints' weight and optimizer files differ: {sorted(x)} "
+                     f"in {run.name}, {sorted(y)} in {straight.name}")
+    c.figures["files_equal"] = len(x)
+    for name in sorted(x):
+        a, b = x[name].read_bytes(), y[name].read_bytes()
+        if a != b:
+            at = next((i for i, (u, v) in enumerate(zip(a, b, strict=False)) if u != v),
+                      min(len(a), len(b)))  # or the shorter one's end
+            raise Failed(f"{final}/{name} differs from {straight.name}'s at byte {at} "
+                         f"({len(a)} and {len(b)} bytes)")
 
 
 # What an import's logits may differ from transformers' (GPU: bf16 rounding through 4 layers;
@@ -630,8 +735,50 @@ def check_bench_train_step(c: Check) -> None:
         c.within("mfu_del", rows["del"][5], 0.20, 1)
 
 
-# name, function, estimate on one H200 (s), time limit (s); a TP 2 check needs 2 GPUs. Not
-# measured yet: ~15 s to import megatron-core and DeepSpeed, ~1 min for the first compile.
+def check_bench_engines(c: Check) -> None:
+    """Both engines' training step on bench-train-step's model (kind del), one process from
+    one seed on the same batches, ABBA (bench/train_step.py --engines): each engine's tokens/s
+    (synchronised timer) and the trainer's, TFLOP/s and MFU (the trainer's: Megatron-LM's
+    count over the GPU's bf16 peak, docs/benchmarks.md "MFU: the formula"). Bounds, GPU:
+    each MFU in [0.20, 1], bench-train-step's floor for this model (below it the step spends
+    its time outside the matmuls: host syncs, float32 math), above 1 a step time that did not
+    wait for the device or a wrong peak; megatron's tokens/s at least 0.8 of deepspeed's (the
+    same model's same step on one GPU: a fifth slower is the engine's own overhead, a host
+    read or an unoverlapped reduction); each trainer's tokens/s within 0.9-1.25 of the
+    timer's, as bench-train-step's; the two runs' last losses within ENGINES (they ran the
+    same steps). CPU: only a broken wiring fails (no peak: no MFU)."""
+    # a row: engine, step ms, ratio, tokens/s (timed), tokens/s (trainer), TFLOP/s, MFU, loss
+    rows = c.run(sys.executable, *c.pick(
+        "bench/train_step.py --gpu-7b --engines --steps 6",
+        "-m torch.distributed.run --standalone --nproc-per-node=2 bench/train_step.py --engines "
+        "--steps 1",
+    ).split(), pattern=rf"^(deepspeed|megatron) +{NUMBER} +{NUMBER}x +{NUMBER} +{NUMBER} +"
+                       rf"{NUMBER} +{NUMBER} +{NUMBER}\s*$")
+    rows = {engine: [float(v) for v in values] for engine, *values in rows}
+    if set(rows) != {"deepspeed", "megatron"}:
+        raise Failed("bench/train_step.py --engines printed no 'deepspeed' and 'megatron' rows")
+    lo, hi = c.pick((0.9, 1.25), (0.3, 3.0))
+    for engine, (_, _, timed, trainer, tflops, _, _) in rows.items():
+        c.within(f"tokens_per_s_{engine}", timed, lo=1)
+        c.within(f"trainer_over_timed_tokens_per_s_{engine}", trainer / timed, lo, hi)
+        c.figures[f"tflops_{engine}"] = tflops
+    c.within("megatron_over_deepspeed_tokens_per_s", rows["megatron"][2] / rows["deepspeed"][2],
+             *c.pick((0.8, math.inf), (0.3, 3.0)))
+    c.below("loss_rel_diff", relative(rows["megatron"][6], rows["deepspeed"][6]), *ENGINES)
+    if c.mode.device == "cuda":
+        for engine in ("deepspeed", "megatron"):
+            if math.isnan(rows[engine][5]):
+                raise Failed(f"no MFU for the {engine} engine: " + (
+                    "this GPU's name (the env row's gpu) is not in del_megatron/runtime.py's "
+                    "PEAK_FLOPS" if all(math.isnan(r[5]) for r in rows.values()) else
+                    "the trainer reported none for its steps"))
+            c.within(f"mfu_{engine}", rows[engine][5], 0.20, 1)
+        c.figures["megatron_over_deepspeed_mfu"] = rows["megatron"][5] / rows["deepspeed"][5]
+
+
+# name, function, estimate on one H200 (s), time limit (s); a row of two ranks needs 2 GPUs
+# (gpus_needed). Not measured yet: ~15 s to import megatron-core and DeepSpeed, ~1 min for
+# the first compile.
 PLAN = [
     ("install", check_install, 10, 120),
     ("env", check_env, 20, 180),  # and DeepSpeed's engines at ZeRO 1, 2, 3
@@ -640,24 +787,42 @@ PLAN = [
     ("train-tp1", lambda c: check_train(c, 1, False), 90, 300),  # the first step compiles
     ("train-fused-tp1", lambda c: check_train(c, 1, True), 35, 180),
     ("one-rank-collectives", check_one_rank_collectives, 30, 180),
-    # the megatron engine's stop and resume at TP 1 (the deepspeed engine's: at TP 2, on two
-    # GPUs; the CPU suite checks both bit for bit)
-    ("megatron-tp1", check_megatron_engine, 60, 300),
+    # the megatron engine straight, then its stop and resume against that bit for bit (the
+    # deepspeed engine's stop and resume: at TP 2, on two GPUs; the CPU suite checks both)
+    ("megatron-tp1", check_megatron_engine, 30, 180),
+    ("megatron-resume-tp1", lambda c: check_megatron_resume(c, "megatron-tp1", 1), 60, 300),
     ("train-tp2", lambda c: check_train(c, 2, False), 40, 240),
     ("train-fused-tp2", lambda c: check_train(c, 2, True), 40, 240),
     ("stop-resume-tp2", lambda c: check_stop_resume(c, 2), 70, 300),
+    # the megatron engine at two ranks (issue 50 finding 12): two pipeline stages (1F1B);
+    # two stages of two virtual chunks each (interleaved) with the fused head on the last;
+    # two data-parallel ranks (and its DP 1 reference), then their stop and resume
+    ("megatron-pp2", lambda c: check_megatron_layout(
+        c, "megatron-pp2", 2, "parallel.pipeline_parallel=2"), 40, 240),
+    ("megatron-fused-vpp2", lambda c: check_megatron_layout(
+        c, "megatron-fused-vpp2", 2, "parallel.pipeline_parallel=2",
+        "parallel.virtual_pipeline_parallel=2", "loss.fused_output=true"), 40, 240),
+    ("megatron-dp2", check_megatron_dp2, 70, 420),  # two runs
+    ("megatron-resume-dp2", lambda c: check_megatron_resume(c, "megatron-dp2", 2), 70, 300),
     ("init-hf", check_init_hf, 50, 240),
     ("del-eval", lambda c: evaluate_with_export(c, c.work / "train-tp1/checkpoints" /
                                                  f"step-{c.mode.steps:07d}", "eval"), 40, 240),
     ("bench-hook-ce", check_bench_hook, 20, 120),
     ("bench-fused", check_bench_fused, 55, 240),  # five processes
     ("bench-train-step", check_bench_train_step, 50, 240),
+    ("bench-engines", check_bench_engines, 45, 240),  # two setups in one process
 ]
 BLOCKING = ("install", "env")  # when one fails, the later checks are skipped
 
 
+def gpus_needed(name: str) -> int:
+    """A row named for a layout of two ranks (-tp2, -pp2, -vpp2, -dp2) runs one per GPU."""
+    return 2 if re.search(r"-(tp|pp|vpp|dp)2$", name) else 1
+
+
 def plan_for(gpus: int) -> list[tuple]:
-    return [check for check in PLAN if gpus >= 2 or not check[0].endswith("-tp2")]
+    """The rows that run with `gpus` GPUs (run_plan skips the others, saying why)."""
+    return [check for check in PLAN if gpus_needed(check[0]) <= gpus]
 
 
 def run_plan(plan: list[tuple], mode: Mode, work: Path, env: dict, record=print,
@@ -667,10 +832,14 @@ def run_plan(plan: list[tuple], mode: Mode, work: Path, env: dict, record=print,
     for i, (name, function, estimate, limit) in enumerate(plan, 1):
         print(f"[{i:2d}/{len(plan)}] {name:21s} ~{estimate:3d} s  ", end="", flush=True)
         c = Check(name, mode, work, env, time.monotonic() + limit * mode.slowdown, gpus)
-        start = time.monotonic()
+        start, needed = time.monotonic(), gpus_needed(name)
         try:
-            status, note = ("skipped", f"the {blocked} check failed") if blocked else (
-                "pass", function(c) or "")
+            if blocked:
+                status, note = "skipped", f"the {blocked} check failed"
+            elif needed > gpus:  # said in its row: not checked here, not passed
+                status, note = "skipped", f"needs {needed} GPUs, {gpus} here"
+            else:
+                status, note = "pass", function(c) or ""
         except Failed as err:
             status, note = "fail", str(err)
         except Exception as err:  # our bug: the row names it, the log has the traceback
@@ -746,12 +915,16 @@ def main(argv: list[str] | None = None) -> int:
     gpus = 1 if args.cpu_smoke or args.plan else usable_gpus()
     plan = plan_for(gpus)
     estimate = sum(check[2] for check in plan)
+    skipped = f" ({len(PLAN) - len(plan)} of two ranks skipped)" if len(plan) < len(PLAN) else ""
     print(f"gpu_acceptance: {'CPU smoke' if args.cpu_smoke else f'{gpus} GPU(s)'}, "
-          f"{len(plan)} checks, estimate {estimate} s on H200s (budget {BUDGET_S} s on one)")
+          f"{len(plan)} checks{skipped}, estimate {estimate} s on H200s (budget {BUDGET_S} s "
+          "on one)")
     if args.plan:  # PLAN's every check, those of two or more GPUs marked
         for check in PLAN:
             print(f"  {check[0]:21s} ~{check[2]:3d} s, limit {check[3] * mode.slowdown} s"
                   + ("" if check in plan else " (2+ GPUs)"))
+        print(f"two or more GPUs: {len(plan_for(2))} checks, estimate "
+              f"{sum(check[2] for check in plan_for(2))} s (the budget is the one-GPU plan's)")
         return 0
     work = Path(tempfile.mkdtemp(prefix="gpu-acceptance."))
     out = Path(os.environ.get("OUT") or work)
@@ -774,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
         if out != work:
             shutil.copytree(work / "logs", out / "logs", dirs_exist_ok=True)
 
-    rows = run_plan(plan, mode, work, env, record, gpus)
+    rows = run_plan(PLAN, mode, work, env, record, gpus)  # the 2-GPU rows skipped on one
     print(f"\n{table(rows)}\nwall {round(time.monotonic() - started)} s (estimate {estimate} "
           f"s); work directory {work}; results: {out / 'gpu_acceptance.json'}")
     return 1 if any(r["status"] == "fail" for r in rows) else 0

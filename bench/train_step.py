@@ -4,10 +4,13 @@
     torchrun --nproc_per_node=2 bench/train_step.py              # tiny CPU model, TP 2
     python bench/train_step.py --gpu-7b                          # 4-layer Llama-2-7B widths, GPU
     torchrun --nproc_per_node=2 bench/train_step.py --engines    # both engines, kind del
+    python bench/train_step.py --gpu-7b --engines                # both, with TFLOP/s and MFU
 
 --engines: two runs in one process, one per engine, at the same layout, from the same seed
-(the same initial weights), stepped in ABBA order on the same batches; the loss each
-reported is printed beside its time (the check that both ran the same step).
+(the same initial weights), stepped in ABBA order on the same batches; each engine's step
+time and tokens/s (synchronised timer) beside the trainer's tokens/s, TFLOP/s per GPU and MFU
+(the trainer's count, as below; nan on CPU), and the loss each reported (the check that both
+ran the same step); then megatron's figures over deepspeed's, side by side.
 
 One engine, one model; the loss kind is switched between alternating steps by handing the
 model the loss head of that kind (`NumericLossGPTModel.head`, which its forward calls; the
@@ -93,7 +96,7 @@ def run_config(tokenizer: Path, gpu_7b: bool):
 
 
 def engine_config(cfg, engine: str):
-    """`cfg` on `engine` (no checkpoints: the megatron engine writes none yet)."""
+    """`cfg` on `engine` (no checkpoints: a benchmark)."""
     train = {**cfg.train.model_dump(), "engine": engine, "checkpoints": False}
     return cfg.model_validate({**cfg.model_dump(), "train": train})
 
@@ -108,7 +111,9 @@ def compare_engines(cfg, args, batch_of) -> None:
     for engine in engines:  # the second setup re-makes megatron's groups: the same ranks
         runs[engine] = setup(engine_config(cfg, engine))
     times: dict[str, list[float]] = {e: [] for e in engines}
-    reported: dict[str, list[float]] = {e: [] for e in engines}
+    reported: dict[str, list[float]] = {e: [] for e in engines}  # the trainer's tokens/s
+    tflops: dict[str, list[float]] = {e: [] for e in engines}  # per GPU, the trainer's
+    rates: dict[str, list[float]] = {e: [] for e in engines}  # MFU, the trainer's
     losses: dict[str, list[float]] = {e: [] for e in engines}
     steps = {e: 0 for e in engines}
     for i in range(args.warmup + 2 * args.steps):
@@ -122,6 +127,8 @@ def compare_engines(cfg, args, batch_of) -> None:
         if i >= args.warmup:
             times[engine].append(elapsed)
             reported[engine].append(outcome.metrics.host["tokens_per_s"])
+            tflops[engine].append(outcome.metrics.host.get("tflops", float("nan")))
+            rates[engine].append(outcome.metrics.host.get("mfu", float("nan")))
         losses[engine].append(outcome.metrics.values()["loss"])  # after the timing
         steps[engine] += 1
     run = runs["deepspeed"]
@@ -135,14 +142,26 @@ def compare_engines(cfg, args, batch_of) -> None:
         )
         print(
             f"{'engine':10s} {'step ms':>9s} {'ratio':>7s} {'tokens/s':>10s} "
-            f"{'trainer':>10s} {'loss':>9s}"
+            f"{'trainer':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'loss':>9s}"
         )
+        figures = {}  # engine -> tokens/s (timed), tokens/s (trainer), TFLOP/s, MFU
         for engine in engines:
             median = statistics.median(times[engine])
-            print(
-                f"{engine:10s} {median * 1e3:9.1f} {median / base:6.3f}x {tokens / median:10.0f} "
-                f"{statistics.median(reported[engine]):10.0f} {losses[engine][-1]:9.5f}"
+            timed, trainer, flops, mfu = figures[engine] = (
+                tokens / median,
+                *(statistics.median(values[engine]) for values in (reported, tflops, rates)),
             )
+            print(
+                f"{engine:10s} {median * 1e3:9.1f} {median / base:6.3f}x {timed:10.0f} "
+                f"{trainer:10.0f} {flops:8.1f} {mfu:6.3f} {losses[engine][-1]:9.5f}"
+            )
+        # the trainer's TFLOP/s and MFU are its tokens/s times one count (and over one peak):
+        # their ratios are its tokens/s ratio; the timed one comes from the bench's own timer
+        ratio = [m / d for m, d in zip(figures["megatron"], figures["deepspeed"], strict=True)]
+        print(
+            "megatron / deepspeed: tokens/s {:.3f}x (timed), {:.3f}x (trainer), "
+            "TFLOP/s {:.3f}x, MFU {:.3f}x".format(*ratio)
+        )
 
 
 def main() -> None:
