@@ -3,12 +3,46 @@ following megatron-core's contract for `get_forward_backward_func`."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from ..errors import UserError
 from ..losses import REPORT_PAIRS, DigitVocab, NumericLossConfig, NumericLossHead, report_pairs
 from ..losses.assemble import NumericLossOutput, NumericStats
 from ..losses.diagnostics import GRAD_PROBE_PAIRS, output_gradient_probe, probe_pairs
+
+# True while a forward step whose loop calls the model with labels but no loss_mask has put
+# ignore_index in the labels at the masked positions instead (Megatron-Bridge's: its
+# _forward_step_common never passes the mask; megatron_bridge.forward_step sets this)
+_LABELS_CARRY_THE_MASK = contextvars.ContextVar("labels_carry_the_mask", default=False)
+
+
+@contextlib.contextmanager
+def labels_carry_the_mask():
+    """Within it, NumericLossGPTModel takes labels without `loss_mask=`: the caller has put
+    the head's ignore_index at every masked position (the same positions, the same loss)."""
+    token = _LABELS_CARRY_THE_MASK.set(True)
+    try:
+        yield
+    finally:
+        _LABELS_CARRY_THE_MASK.reset(token)
+
+
+def _required_loss_mask(loss_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The loss mask the model was called with; none is refused (outside
+    `labels_carry_the_mask`): without it the head would count every position, padding and
+    prompts included (logged lm loss 4.87201 against 4.87531, issue 51)."""
+    if loss_mask is None and not _LABELS_CARRY_THE_MASK.get():
+        raise UserError(
+            "NumericLossGPTModel was called with labels but no loss_mask: the forward step "
+            "must call model(..., labels=labels, loss_mask=loss_mask) (Megatron-LM's "
+            "pretrain_gpt.forward_step does; in Megatron-Bridge use "
+            "del_megatron.models.megatron_bridge.forward_step)"
+        )
+    return loss_mask
 
 
 class NumericLossGPTModel(GPTModel):
@@ -16,7 +50,8 @@ class NumericLossGPTModel(GPTModel):
 
     Called with labels and `loss_mask=` (labels, loss_mask [b, s]), forward returns the head's
     `NumericLossOutput`: per-token losses [b, s] and statistics; `loss_func` turns it into
-    megatron's (loss sum, token count, report). Without labels it returns megatron's logits
+    megatron's (loss sum, token count, report). Labels without `loss_mask=` are refused
+    (outside `labels_carry_the_mask`). Without labels it returns megatron's logits
     [b, s, V/tp]. EMO's cost embedding is the head's buffer `head.emo_cost_embedding`.
     promise_scaled_loss: backward will be of `loss_func`'s loss sum times one factor (the
     trainer's); the head's fused op then makes no host read (`NumericLossHead`).
@@ -135,6 +170,7 @@ class NumericLossGPTModel(GPTModel):
         labels, loss_mask = kwargs.pop("labels", None), kwargs.pop("loss_mask", None)
         if labels is None or len(args) > 4:
             raise ValueError("numeric_grad_probe needs labels= (and loss_mask=) as keywords")
+        loss_mask = _required_loss_mask(loss_mask)
         # megatron's own path without labels gives this rank's logits, [b, s, V/tp]
         logits = super().forward(*args, labels=None, **kwargs).transpose(0, 1)  # [s, b, V/tp]
         group = self.pg_collection.tp
@@ -181,7 +217,7 @@ class NumericLossGPTModel(GPTModel):
             return super()._postprocess(
                 hidden_states, input_ids, position_ids, labels, *args, **kwargs
             )
-        loss_mask = kwargs.get("loss_mask")
+        loss_mask = _required_loss_mask(kwargs.get("loss_mask"))
         group = self.pg_collection.tp
         weight = self.output_weight()
         if self.head.fused and not self.config.sequence_parallel:

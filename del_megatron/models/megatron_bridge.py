@@ -18,7 +18,10 @@ with `cfg.model.calculate_per_token_loss = True` and `cfg.ddp.average_in_collect
   checks) instead of `masked_next_token_loss`, which cannot read the head's output (it raises:
   `NumericStats.view`). Bridge's forward step does not pass `loss_mask` to the model; here the
   labels it hands the model carry `ignore_index` at masked positions instead, which the head
-  reads as masked (the same positions, the same statistics).
+  reads as masked (the same positions, the same statistics), within
+  `gpt.labels_carry_the_mask()` (elsewhere labels without a mask are refused). Refused in
+  one line: `return_schedule_plan=True` and Bridge's `DistillationProvider`; the spiky-loss
+  check uses `rerun_state_machine.spiky_loss_factor`.
 
 Import this module only where Megatron-Bridge is installed (Python 3.12, megatron-core 0.17+);
 the package never imports it.
@@ -37,7 +40,7 @@ from megatron.bridge.training import gpt_step
 from ..errors import UserError
 from ..losses import DigitVocab, NumericLossConfig
 from . import megatron_lm
-from .gpt import NumericLossGPTModel
+from .gpt import NumericLossGPTModel, labels_carry_the_mask
 
 
 @dataclass
@@ -80,6 +83,10 @@ class NumericLossGPTModelProvider(GPTModelProvider):
                 "NumericLossGPTModelProvider extends GPTModelProvider's GPTModel only"
             )
         values = {f.name: getattr(provider, f.name) for f in fields(GPTModelProvider) if f.init}
+        # GPTModelProvider turns megatron's fused cross entropy on by default, for megatron's
+        # own loss, which the head replaces: off here, refused if set on the numeric provider
+        # (megatron_lm.check_megatron_loop)
+        values["cross_entropy_loss_fusion"] = False
         numeric = cls(**values, digit_vocab=digit_vocab, numeric_loss=numeric_loss)
         # and the hooks registered on it, which are no fields: AutoBridge's
         # to_megatron_provider() loads the Hugging Face weights in a pre-wrap hook (with
@@ -101,19 +108,30 @@ def forward_step(state, data_iterator, model, return_schedule_plan: bool = False
             "this Megatron-Bridge's gpt_step._forward_step_common takes no _get_batch_fn "
             "(tested: megatron-bridge 0.6.2)"
         )
+    from megatron.bridge.models.distillation_provider import DistillationProvider
     from megatron.core.utils import get_attr_wrapped_model
 
+    megatron_lm.refuse_schedule_plan(return_schedule_plan)
+    if isinstance(state.cfg.model, DistillationProvider):
+        # Bridge distils with its own forward step (forward_step_modelopt, loss_func_kd)
+        raise UserError(
+            f"{type(state.cfg.model).__name__} is Bridge's knowledge distillation, whose loss "
+            "the numeric loss function replaces: distillation with the numeric loss is not "
+            "supported"
+        )
     head = get_attr_wrapped_model(model, "head")  # None on a stage without the output layer
     get_batch = partial(_batch_with_mask_in_labels, head.cfg.ignore_index if head else None)
-    output, loss_mask = common(
-        state, data_iterator, model, return_schedule_plan, _get_batch_fn=get_batch
-    )
+    with labels_carry_the_mask():  # Bridge calls the model without loss_mask
+        output, loss_mask = common(
+            state, data_iterator, model, return_schedule_plan, _get_batch_fn=get_batch
+        )
     checks = state.cfg.rerun_state_machine
     loss_function = partial(
         megatron_lm.loss_func,
         loss_mask,
         check_for_nan_in_loss=checks.check_for_nan_in_loss,
         check_for_spiky_loss=checks.check_for_spiky_loss,
+        spiky_loss_factor=checks.spiky_loss_factor,
     )
     return output, loss_function
 
@@ -124,6 +142,9 @@ def _batch_with_mask_in_labels(ignore_index: int | None, *args: Any, **kwargs: A
     tokens, labels, loss_mask, attention_mask, position_ids, packed = gpt_step.get_batch(
         *args, **kwargs
     )
-    if labels is not None and loss_mask is not None:
+    # a stage without the head (ignore_index None) may still be given the full batch
+    # (Bridge's get_batch, for packed data or attention masks on middle stages and virtual
+    # chunks): its labels are not read there
+    if ignore_index is not None and labels is not None and loss_mask is not None:
         labels = labels.masked_fill(loss_mask == 0, ignore_index)
     return tokens, labels, loss_mask, attention_mask, position_ids, packed

@@ -64,6 +64,21 @@ def check_megatron_loop(config: Any, loss_config: NumericLossConfig) -> None:
             "its own digit count, which megatron's sum over micro-batches cannot undo: use "
             "NumericLossConfig(normalize='tokens') in megatron's loops"
         )
+    if config.cross_entropy_loss_fusion:
+        # megatron's fused cross entropy (native or TE) replaces its own loss, which the head
+        # replaces: the flag would be read and do nothing
+        raise UserError(
+            "cross_entropy_loss_fusion (--cross-entropy-loss-fusion, --cross-entropy-fusion-"
+            "impl) fuses megatron's own cross entropy, which the numeric loss head replaces: "
+            "leave it off (the head has its own fused path, loss.fused_output)"
+        )
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        # its schedule builds a plan (model.build_schedule_plan) whose last node computes
+        # megatron's own loss, not the head's
+        raise UserError(
+            "overlap_moe_expert_parallel_comm (--overlap-moe-expert-parallel-comm) schedules "
+            "megatron's own loss inside its plan, not the numeric loss head: leave it off"
+        )
     if config.context_parallel_size > 1:
         raise UserError(
             f"context_parallel_size={config.context_parallel_size}: the numeric loss reads "
@@ -78,6 +93,13 @@ def to_numeric_model(
     """A GPTModel (one pipeline stage) built by megatron's own builder, made to end in the
     numeric loss head, after `check_megatron_loop`."""
     check_megatron_loop(model.config, loss_config)
+    if model.fp16_lm_cross_entropy:
+        # GPTModel's own cross entropy in half precision; the head computes in float32
+        raise UserError(
+            "fp16_lm_cross_entropy (--fp16-lm-cross-entropy) asks for megatron's own cross "
+            "entropy in half precision; the numeric loss head computes its loss in float32: "
+            "leave it off"
+        )
     return gpt.NumericLossGPTModel.from_gpt_model(model, digit_vocab, loss_config)
 
 
@@ -121,10 +143,12 @@ def forward_step(megatron_forward_step: Callable) -> Callable:
     --check-for-spiky-loss)."""
 
     def numeric_forward_step(data_iterator, model, return_schedule_plan: bool = False):
-        output, theirs = megatron_forward_step(data_iterator, model, return_schedule_plan)
         from megatron.training import get_args
 
         args = get_args()
+        refuse_schedule_plan(return_schedule_plan)
+        _refuse_distillation(args)
+        output, theirs = megatron_forward_step(data_iterator, model, return_schedule_plan)
         checks = {
             "check_for_nan_in_loss": getattr(args, "check_for_nan_in_loss_and_grad", True),
             "check_for_spiky_loss": getattr(args, "check_for_spiky_loss", False),
@@ -132,6 +156,33 @@ def forward_step(megatron_forward_step: Callable) -> Callable:
         return output, partial(loss_func, _loss_mask_of(theirs), model=model, **checks)
 
     return numeric_forward_step
+
+
+def refuse_schedule_plan(return_schedule_plan: bool) -> None:
+    """MoE's overlapped all-to-all schedule asks the forward step for a schedule plan
+    (`model.build_schedule_plan`), whose post-process node computes megatron's own loss."""
+    if return_schedule_plan:
+        raise UserError(
+            "return_schedule_plan=True (--overlap-moe-expert-parallel-comm): megatron's "
+            "schedule plan computes its own loss, not the numeric loss head's; leave "
+            "overlap_moe_expert_parallel_comm off"
+        )
+
+
+def _refuse_distillation(args: Any) -> None:
+    """Megatron-LM's pretrain_gpt.loss_func takes other branches for offline knowledge
+    distillation (--logits-load-dir: cached teacher logits, main) and ModelOpt distillation
+    (--export-kd-teacher-load); this module's loss function replaces it and has neither."""
+    for name, flag in (
+        ("logits_load_dir", "--logits-load-dir"),
+        ("export_kd_teacher_load", "--export-kd-teacher-load"),
+    ):
+        if getattr(args, name, None):
+            raise UserError(
+                f"{flag} asks pretrain_gpt.loss_func for knowledge distillation, which the "
+                "numeric loss function replaces: distillation with the numeric loss is not "
+                f"supported; drop {flag}"
+            )
 
 
 def _loss_mask_of(loss_function: Any) -> torch.Tensor:

@@ -188,3 +188,134 @@ def test_the_readme_example_runs(
     monkeypatch.setattr(bridge_pretrain, "pretrain", megatron_bridge_pretrain)
     exec(examples()["Megatron-Bridge 0.6.2"], {"__name__": "__main__"})
     assert "OK NumericLossGPTModel: lm loss, objective, numeric" in capsys.readouterr().out
+
+
+# ---- the forward step, as Bridge's train_step calls it (issue 51) ----------------------------
+
+
+def bridge_state(provider, **dataset):
+    """Bridge's GlobalState with the parts of a ConfigContainer its forward step reads (the
+    model's provider, the rerun state machine's checks, the dataset's batch settings, the
+    logger's timer levels)."""
+    from types import SimpleNamespace
+
+    from megatron.bridge.training.config import LoggerConfig, RerunStateMachineConfig
+    from megatron.bridge.training.state import GlobalState
+
+    state = GlobalState()
+    state.cfg = SimpleNamespace(
+        model=provider,
+        rerun_state_machine=RerunStateMachineConfig(check_for_spiky_loss=True),
+        dataset=SimpleNamespace(**dataset),
+        logger=LoggerConfig(),
+        train=None,  # the setter reads its signal handler setting
+    )
+    return state
+
+
+@pytest.fixture
+def numeric_model(bridge, tmp_path, one_process_groups):
+    from del_megatron.models.spec import apply_device_shims
+
+    megatron_bridge, _, _ = bridge
+    provider = on_cpu(
+        megatron_bridge.NumericLossGPTModelProvider.from_provider(
+            hf_provider(tmp_path), VOCAB, LOSS
+        )
+    )
+    return provider, apply_device_shims(provider.provide(), torch.device("cpu"))
+
+
+def sample():
+    tokens, labels, mask, positions = batch()
+    return {"tokens": tokens, "labels": labels, "loss_mask": mask, "position_ids": positions}
+
+
+def test_the_forward_step_reads_the_spiky_loss_factor_from_bridges_config(bridge, numeric_model):
+    """Before: always 10 (Megatron-LM's constant), whatever rerun_state_machine said."""
+    from tests.megatron_cpu import tensor_cuda_stays
+
+    megatron_bridge, _, _ = bridge
+    provider, model = numeric_model
+    state = bridge_state(provider)
+    state.cfg.rerun_state_machine.spiky_loss_factor = 3.0
+    with tensor_cuda_stays():
+        output, loss_function = megatron_bridge.forward_step(state, iter([sample()]), model)
+    assert loss_function.keywords["spiky_loss_factor"] == 3.0
+    assert loss_function.keywords["check_for_spiky_loss"] is True
+    tokens, labels, mask, positions = batch()
+    expected = model(tokens, positions, None, labels=labels, loss_mask=mask)
+    assert_close(output.loss, expected.loss, atol=1e-6, what="loss through Bridge's step")
+
+
+def test_the_forward_step_refuses_a_schedule_plan(bridge, numeric_model):
+    """MoE's overlapped all-to-all asks for model.build_schedule_plan, whose last node is
+    megatron's own loss: refused in one line."""
+    megatron_bridge, _, _ = bridge
+    provider, model = numeric_model
+    with pytest.raises(UserError, match="return_schedule_plan=True") as refused:
+        megatron_bridge.forward_step(bridge_state(provider), iter([sample()]), model, True)
+    assert "\n" not in str(refused.value)
+
+
+def test_the_forward_step_refuses_bridges_distillation(bridge, numeric_model):
+    from megatron.bridge.models.distillation_provider import DistillationProvider
+
+    megatron_bridge, _, _ = bridge
+    _, model = numeric_model
+
+    class Distilling(DistillationProvider):  # what convert_to_distillation_provider makes
+        def __init__(self):
+            pass
+
+    with pytest.raises(UserError, match="knowledge distillation") as refused:
+        megatron_bridge.forward_step(bridge_state(Distilling()), iter([sample()]), model)
+    assert "\n" not in str(refused.value)
+
+
+def test_bridges_default_cross_entropy_fusion_is_off_and_refused_when_set(
+    bridge, tmp_path, one_process_groups
+):
+    """GPTModelProvider fuses megatron's own cross entropy by default; the head replaces that
+    loss: off in the numeric provider, refused in one line if set on it."""
+    megatron_bridge, _, _ = bridge
+    theirs = hf_provider(tmp_path)
+    assert theirs.cross_entropy_loss_fusion
+    ours = on_cpu(megatron_bridge.NumericLossGPTModelProvider.from_provider(theirs, VOCAB, LOSS))
+    assert not ours.cross_entropy_loss_fusion
+    ours.cross_entropy_loss_fusion = True
+    with pytest.raises(UserError, match="cross_entropy_loss_fusion"):
+        ours.provide()
+
+
+@pytest.mark.parametrize(
+    ("pp_rank", "vp_stage"), [(1, None), (0, 1)], ids=["pp3-middle", "vpp2-first-rank-chunk1"]
+)
+def test_a_stage_without_the_head_given_the_full_batch(
+    bridge, pp_rank, vp_stage, one_process_groups
+):
+    """Bridge's get_batch gives middle stages (and virtual chunks that are neither first nor
+    last) the full batch where the dataset gives attention masks or packed sequences; such a
+    stage has no head (ignore_index None). Before: masked_fill(..., None) raised."""
+    from types import SimpleNamespace
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from tests.megatron_cpu import tensor_cuda_stays
+
+    megatron_bridge, _, _ = bridge
+    group = SimpleNamespace(rank=lambda: pp_rank, size=lambda: 3 if vp_stage is None else 2)
+    # this process's pipeline rank and size told as a stage of PP 3 (or of PP 2 x VP 3)
+    cp = ProcessGroupCollection.use_mpu_process_groups().cp
+    groups = SimpleNamespace(pp=group, cp=cp)
+    vp = 3 if vp_stage is not None else None
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(virtual_pipeline_model_parallel_size=vp),
+        dataset=SimpleNamespace(skip_getting_attention_mask_from_dataset=False),
+    )
+    full = {**sample(), "attention_mask": torch.ones(2, 1, 16, 16, dtype=torch.bool)}
+    with tensor_cuda_stays():
+        _, labels, mask, *_ = megatron_bridge._batch_with_mask_in_labels(
+            None, iter([full]), cfg, pg_collection=groups, vp_stage=vp_stage
+        )
+    assert torch.equal(labels, full["labels"]) and torch.equal(mask, full["loss_mask"])

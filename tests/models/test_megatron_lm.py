@@ -70,6 +70,7 @@ def megatron_gpt_builder(
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_base=args.rotary_base,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
@@ -83,6 +84,7 @@ class Args:
     max_position_embeddings = ARCH.max_position_embeddings
     untie_embeddings_and_output_weights = False
     rotary_base = ARCH.rope_theta
+    fp16_lm_cross_entropy = False
 
 
 @pytest.fixture
@@ -173,11 +175,28 @@ def test_emo_builds_on_a_pipeline_stage_without_the_output_layer(config):
     [
         ({"calculate_per_token_loss": False}, "--calculate-per-token-loss"),
         ({"context_parallel_size": 2}, "context_parallel_size=1"),
+        # read by megatron's loops for their own loss, which the head replaces (issue 51)
+        ({"cross_entropy_loss_fusion": True}, "--cross-entropy-loss-fusion"),
+        ({"overlap_moe_expert_parallel_comm": True}, "--overlap-moe-expert-parallel-comm"),
     ],
 )
 def test_settings_megatron_cannot_sum_exactly_are_refused_in_one_line(config, change, named):
+    changed = replace(config)
+    for name, value in change.items():  # set after __post_init__'s own checks (MoE's)
+        setattr(changed, name, value)
     with pytest.raises(UserError, match=named) as refused:
-        megatron_lm.check_megatron_loop(replace(config, **change), LOSS)
+        megatron_lm.check_megatron_loop(changed, LOSS)
+    assert "\n" not in str(refused.value)
+
+
+def test_fp16_lm_cross_entropy_is_refused_in_one_line(config):
+    """Megatron-LM's gpt_builder passes --fp16-lm-cross-entropy to GPTModel, whose own loss
+    it changes; the head computes in float32 (before: built, the flag ignored)."""
+    args = Args()
+    args.fp16_lm_cross_entropy = True
+    builder = megatron_lm.numeric_builder(megatron_gpt_builder, VOCAB, LOSS)
+    with pytest.raises(UserError, match="--fp16-lm-cross-entropy") as refused:
+        builder(args, True, True, config=config)
     assert "\n" not in str(refused.value)
 
 
@@ -283,3 +302,130 @@ def test_a_spiky_loss_is_reported_as_megatron_reports_it(model, megatron_on_cpu,
 def test_the_forward_step_needs_megatron_lms_loss_partial():
     with pytest.raises(TypeError, match="partial"):
         megatron_lm._loss_mask_of(lambda output: output)
+
+
+# ---- nothing the loop asks for silently dropped (issue 51) --------------------------------
+
+
+def test_a_model_called_without_loss_mask_is_refused_in_one_line(model):
+    """A forward step of the user's own (or an older Bridge's) that passes labels but not
+    the mask: before, the head counted every position (logged lm loss 4.87201 against
+    4.87531 on the issue's run)."""
+    from del_megatron.models.gpt import labels_carry_the_mask
+
+    tokens, labels, mask, positions = batch()
+    with pytest.raises(
+        UserError, match=r"model\(\.\.\., labels=labels, loss_mask=loss_mask\)"
+    ) as refused:
+        model(tokens, positions, None, labels=labels)
+    assert "\n" not in str(refused.value)
+    with labels_carry_the_mask():  # the Bridge adapter's labels, ignore_index where masked
+        masked = labels.masked_fill(mask == 0, model.head.cfg.ignore_index)
+        found = model(tokens, positions, None, labels=masked)
+    expected = model(tokens, positions, None, labels=labels, loss_mask=mask)
+    assert_close(found.loss, expected.loss, atol=1e-6, what="loss with the mask in the labels")
+
+
+def pretrain_gpt_loss_func(loss_mask, output_tensor, model=None):
+    """Megatron-LM's pretrain_gpt.loss_func as it reads the model's output (core_v0.16.1 and
+    main, after its ModelOpt and offline-distillation branches): a tensor of per-token
+    losses, `output_tensor.view(-1).float()`."""
+    losses = output_tensor.view(-1).float()
+    return torch.sum(losses * loss_mask.view(-1).float())
+
+
+def test_megatrons_own_loss_function_says_which_line_is_missing(model):
+    """The builder used without megatron_lm.forward_step: before, "'NumericLossOutput'
+    object has no attribute 'view'" and nothing else."""
+    tokens, labels, mask, positions = batch()
+    output = model(tokens, positions, None, labels=labels, loss_mask=mask)
+    with pytest.raises(AttributeError, match=r"megatron_lm\.forward_step\(pretrain_gpt") as raised:
+        pretrain_gpt_loss_func(mask, output)
+    assert "\n" not in str(raised.value)
+
+
+def pretrain_gpt_forward_step(data_iterator, model, return_schedule_plan=False):
+    """Megatron-LM's pretrain_gpt.forward_step, its contract: the model called with labels,
+    loss_mask and packed_seq_params, (output, partial(loss_func, loss_mask, model=model))."""
+    tokens, labels, loss_mask, positions = next(data_iterator)
+    output = model(
+        tokens, positions, None, labels=labels, loss_mask=loss_mask, packed_seq_params=None
+    )
+    return output, partial(pretrain_gpt_loss_func, loss_mask, model=model)
+
+
+@pytest.fixture
+def megatron_args(monkeypatch):
+    """Megatron-LM's parsed arguments as `get_args()` gives them inside its loop (defaults of
+    the flags the forward step reads)."""
+    training = pytest.importorskip("megatron.training", reason="megatron-core 0.16 has none")
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        check_for_nan_in_loss_and_grad=True,
+        check_for_spiky_loss=False,
+        logits_load_dir=None,
+        export_kd_teacher_load=None,
+    )
+    monkeypatch.setattr(training, "get_args", lambda: args)
+    return args
+
+
+def test_the_forward_step_runs_pretrain_gpts_with_its_arguments(model, megatron_args):
+    step = megatron_lm.forward_step(pretrain_gpt_forward_step)
+    tokens, labels, mask, positions = batch()
+    output, loss_function = step(iter([batch()]), model)
+    loss, num_tokens, _ = loss_function(output)
+    expected = model(tokens, positions, None, labels=labels, loss_mask=mask)
+    assert num_tokens.item() == mask.sum().item()
+    assert_close(loss, (expected.per_token * mask).sum(), atol=1e-5, what="loss sum")
+
+
+def train_step_report(reports: list[dict]) -> dict[str, float]:
+    """What megatron.training's train_step (0.19.2, and Bridge 0.6.2's) does with the loss
+    function's reports of one iteration's micro-batches: each [sum, count] pair summed over
+    micro-batches (and all-reduced over data-parallel ranks, one here), then sum / count."""
+    summed = {k: torch.vstack([r[k].view(-1) for r in reports]).sum(dim=0) for k in reports[0]}
+    return {k: (v[0] / v[1]).item() for k, v in summed.items()}
+
+
+def test_a_micro_batch_without_digits_does_not_pull_the_iterations_accuracy_down(model):
+    """megatron sums each pair over an iteration's micro-batches: a micro-batch with no
+    digit adds (0, tiny) to digit_acc's pair, and the logged accuracy is the digit-weighted
+    accuracy of the micro-batches with digits."""
+    reports = []
+    for digits in (False, True):
+        tokens, labels, mask, positions = batch(digits)
+        output = model(tokens, positions, None, labels=labels, loss_mask=mask)
+        reports.append(megatron_lm.loss_func(mask, output)[2])
+    logged = train_step_report(reports)
+    alone = train_step_report(reports[1:])
+    for key in ("digit_acc", "digit_cond_acc", "digit_abs_error", "digit_entropy"):
+        assert logged[key] == alone[key] and reports[0][key][0] == 0, key
+    assert 0 < logged["digit_acc"] < 1
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "flag"),
+    [
+        ("logits_load_dir", "/teacher/logits", "--logits-load-dir"),
+        ("export_kd_teacher_load", "/teacher", "--export-kd-teacher-load"),
+    ],
+)
+def test_the_forward_step_refuses_distillation_in_one_line(model, megatron_args, name, value, flag):
+    """pretrain_gpt.loss_func's distillation branches, which this loss function replaces:
+    before, the teacher was ignored without a word."""
+    setattr(megatron_args, name, value)
+    step = megatron_lm.forward_step(pretrain_gpt_forward_step)
+    with pytest.raises(UserError, match=flag) as refused:
+        step(iter([batch()]), model)
+    assert "\n" not in str(refused.value)
+
+
+def test_the_forward_step_refuses_a_schedule_plan(model, megatron_args):
+    """MoE's overlapped all-to-all (megatron-core's combined 1F1B) calls the forward step with
+    return_schedule_plan=True; the plan's last node is megatron's own loss."""
+    step = megatron_lm.forward_step(pretrain_gpt_forward_step)
+    with pytest.raises(UserError, match="return_schedule_plan=True") as refused:
+        step(iter([batch()]), model, True)
+    assert "\n" not in str(refused.value)
