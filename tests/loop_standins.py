@@ -157,7 +157,10 @@ def megatron_lm_pretrain(*args, **kwargs) -> None:
             parse_and_validate_args,
         )
 
-        parse_and_validate_args(args_defaults=kwargs.get("args_defaults", {}))
+        parse_and_validate_args(
+            extra_args_provider=kwargs.get("extra_args_provider"),
+            args_defaults=kwargs.get("args_defaults", {}),
+        )
         _one_process()
         margs = get_args()
         # get_model's call of the model provider

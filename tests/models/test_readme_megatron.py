@@ -29,8 +29,7 @@ ARGS = (
     "--make-vocab-size-divisible-by 64 --lr 1e-3 --train-iters 1 --transformer-impl local "
     "--use-cpu-initialization --no-gradient-accumulation-fusion --no-bias-swiglu-fusion "
     "--no-bias-dropout-fusion --no-rope-fusion --no-masked-softmax-fusion "
-    "--no-persist-layer-norm --tokenizer-type SentencePieceTokenizer "
-    "--calculate-per-token-loss"
+    "--no-persist-layer-norm --calculate-per-token-loss"
 ).split()
 
 
@@ -70,15 +69,35 @@ needs_megatron_training = pytest.mark.skipif(
 )
 
 
+EXAMPLES = [
+    ("Megatron-LM's current pretrain_gpt.py", "config container"),
+    ("Megatron-LM's pretrain_gpt.py at core_v0.16.1", "model_provider"),
+]
+
+
 @needs_megatron_training
-@pytest.mark.parametrize(
-    ("name", "form"),
-    [
-        ("Megatron-LM's current pretrain_gpt.py", "config container"),
-        ("Megatron-LM's pretrain_gpt.py at core_v0.16.1", "model_provider"),
-    ],
-)
+@pytest.mark.parametrize(("name", "form"), EXAMPLES)
 def test_the_megatron_lm_example_runs(name, form, tmp_path, spm_split_digits):
     shutil.copy(spm_split_digits, tmp_path / "tokenizer.model")
-    output = run_example(name, tmp_path, *ARGS, "--tokenizer-model", "tokenizer.model")
+    tokenizer = (
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        "tokenizer.model",
+    )
+    output = run_example(name, tmp_path, *ARGS, *tokenizer)
+    assert f"OK {form}: lm loss, objective, numeric, digit_acc" in output
+
+
+@needs_megatron_training
+@pytest.mark.parametrize(("name", "form"), EXAMPLES)
+def test_the_megatron_lm_example_runs_with_a_hugging_face_tokenizer(
+    name, form, tmp_path, synth_llama3_tokenizer
+):
+    """--tokenizer-type HuggingFaceTokenizer (the Llama-3 family: digits grouped 1..3), which
+    the examples' former DigitVocab.from_sentencepiece(args.tokenizer_model) could not read."""
+    (tmp_path / "hf").mkdir()
+    shutil.copy(synth_llama3_tokenizer, tmp_path / "hf" / "tokenizer.json")
+    tokenizer = ("--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "hf")
+    output = run_example(name, tmp_path, *ARGS, *tokenizer)
     assert f"OK {form}: lm loss, objective, numeric, digit_acc" in output
