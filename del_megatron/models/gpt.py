@@ -45,6 +45,18 @@ def _required_loss_mask(loss_mask: torch.Tensor | None) -> torch.Tensor | None:
     return loss_mask
 
 
+def _refuse_packed(packed_seq_params) -> None:
+    """Packed documents refused before the forward: the head reads digit runs along each row,
+    so two packed documents that meet digit-to-digit would be one number (numeric term 0.3326
+    against 0.2340 as separate rows, issue 51)."""
+    if packed_seq_params is not None:
+        raise UserError(
+            "packed documents (packed_seq_params): the numeric loss does not yet end digit "
+            "runs at document boundaries; train on unpacked rows (an EOD token between "
+            "documents)"
+        )
+
+
 class NumericLossGPTModel(GPTModel):
     """GPTModel whose loss is the numeric loss head (`self.head`).
 
@@ -164,7 +176,10 @@ class NumericLossGPTModel(GPTModel):
         probe's [sum, count] keys. An argument of the call, not state of the model: the
         trainer passes it on one micro-batch of a log step. Nothing is probed where there is
         nothing to probe: a kind without a digit term, a stage without the output layer, or
-        the fused head (`loss.fused_output`), whose logits never exist as a tensor."""
+        the fused head (`loss.fused_output`), whose logits never exist as a tensor. Packed
+        documents (`packed_seq_params`) with labels are refused (`_refuse_packed`)."""
+        if self.post_process and kwargs.get("labels") is not None:
+            _refuse_packed(kwargs.get("packed_seq_params"))
         if not numeric_grad_probe or not self._probed():
             return super().forward(*args, **kwargs)
         labels, loss_mask = kwargs.pop("labels", None), kwargs.pop("loss_mask", None)

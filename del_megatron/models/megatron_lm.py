@@ -79,6 +79,12 @@ def check_megatron_loop(config: Any, loss_config: NumericLossConfig) -> None:
             "overlap_moe_expert_parallel_comm (--overlap-moe-expert-parallel-comm) schedules "
             "megatron's own loss inside its plan, not the numeric loss head: leave it off"
         )
+    if getattr(config, "use_mup", False):  # megatron-core 0.19+
+        raise UserError(
+            "use_mup=True (--use-mup): the numeric head reads the output layer's logits "
+            "before megatron's muP output scaling (mup_output_mult), which it does not apply "
+            "yet; drop --use-mup"
+        )
     if config.context_parallel_size > 1:
         raise UserError(
             f"context_parallel_size={config.context_parallel_size}: the numeric loss reads "
