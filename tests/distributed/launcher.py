@@ -32,6 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+# del_megatron/rendezvous.py's line for a MASTER_PORT another process holds
+PORT_TAKEN = "is in use on this host (another job?): choose another MASTER_PORT"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,6 +73,12 @@ def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 600) -> s
     output (every rank's stdout, then every rank's stderr), or fail with its errors."""
     proc = launch(worker, nproc, list(args), torchrun_env(), timeout)
     output = proc.stdout + proc.stderr
+    if proc.returncode != 0 and PORT_TAKEN in output:
+        # free_port's port was bound by another test's process between the pick and the
+        # rendezvous (two pytest workers side by side), which our rendezvous refuses in one
+        # line, as it should: start again on a new port, as its message tells a user to
+        proc = launch(worker, nproc, list(args), torchrun_env(), timeout)
+        output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise AssertionError(failed_launch(f"{worker} on {nproc} ranks", proc.returncode, output))
     return output
