@@ -101,8 +101,9 @@ def quiet_communication_setup(device: torch.device):
 
 
 def bf16_on(setting: bool | None, device: torch.device) -> bool:
-    """Whether a run computes in bf16 (train.bf16): the setting, else with CUDA only."""
-    return device.type == "cuda" if setting is None else setting
+    """Whether a run computes in bf16 (train.bf16): the setting, else on any accelerator
+    (float32 on CPU). The one rule of the default precision (models/spec.model_dtype too)."""
+    return device.type != "cpu" if setting is None else setting
 
 
 def precision_overrides(bf16: bool) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import one_line
-from ..runtime import resolve_device, synchronize
+from ..runtime import bf16_on, precision_overrides, resolve_device, synchronize
 from .attention import SDPACoreAttention
 
 
@@ -81,17 +81,17 @@ def recompute_overrides(device: torch.device, enabled: bool) -> dict[str, Any]:
 
 
 def model_dtype(device: torch.device) -> torch.dtype:
-    """Parameters and activations: bf16 on GPU, float32 on CPU."""
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
+    """Parameters and activations by default (`runtime.bf16_on`): bf16 on GPU, float32 on
+    CPU."""
+    return precision_overrides(bf16_on(None, device))["params_dtype"]
 
 
 def transformer_config_overrides(device: torch.device) -> dict[str, Any]:
-    """TransformerConfig fields that depend on the device."""
-    cpu = device.type == "cpu"
+    """TransformerConfig fields that depend on the device (the precision: its default,
+    which a run's train.bf16 overrides in training/build.build_model)."""
     return {
-        "use_cpu_initialization": cpu,
-        "params_dtype": model_dtype(device),
-        "bf16": not cpu,
+        "use_cpu_initialization": device.type == "cpu",
+        **precision_overrides(bf16_on(None, device)),
         **device_fusions(device).flags,
     }
 

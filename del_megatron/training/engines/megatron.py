@@ -371,7 +371,7 @@ def train_step(
     # megatron's own step would take it twice (prepare_grads + get_grad_norm, then clip_grad_norm,
     # each a read) and apply a non-finite one under bf16, having no loss scaler to find it
     found_inf = engine.optimizer.prepare_grads()  # a host flag only with a loss scaler
-    norm = gradient_norm(engine.optimizer)
+    norm = gradient_norm(engine.optimizer, run.device)
     nonfinite = ~torch.isfinite(local_loss) | ~torch.isfinite(norm)
     agreed = agree(stop, nonfinite, writing)
     if agreed.nonfinite or found_inf:
@@ -383,7 +383,7 @@ def train_step(
     return EngineStep(names, dp_pairs, norm, agreed, skipped=False)
 
 
-def gradient_norm(optimizer) -> torch.Tensor:
+def gradient_norm(optimizer, device: torch.device) -> torch.Tensor:
     """The L2 norm of the step's gradients before clipping, a 0-dim float32 tensor on the
     device: megatron's get_grad_norm_fp32 (each optimizer's main gradients for the norm, shared
     and tensor-parallel duplicates left out, their squares summed over its grad-stats group:
@@ -395,7 +395,7 @@ def gradient_norm(optimizer) -> torch.Tensor:
         if grads:
             squares = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
         else:
-            squares = torch.zeros((), dtype=torch.float32, device=_device_of(inner))
+            squares = torch.zeros((), dtype=torch.float32, device=device)  # nothing held
         collectives.all_reduce(squares, group=inner.get_grad_stats_parallel_group())
         total = squares if total is None else total + squares
     return total.sqrt()
@@ -415,10 +415,6 @@ def clip_gradients(optimizer, max_norm: float, norm: torch.Tensor) -> None:
 def megatron_optimizers(optimizer) -> list:
     """megatron's optimizers inside `optimizer` (one, or each of a chained optimizer's)."""
     return getattr(optimizer, "chained_optimizers", [optimizer])
-
-
-def _device_of(inner) -> torch.device:
-    return next(p.device for p in inner.get_parameters())
 
 
 def score(run, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
