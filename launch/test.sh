@@ -56,6 +56,9 @@ if [ "$newest" = 3 ] && [ "${DEL_REQUIRE_PY312:-0}" != 1 ]; then
 elif [ "$newest" != 0 ]; then
   exit "$newest"
 else
-  # exit status 5: the selection held no test marked megatron
-  DEL_MEGATRON_ONLY=1 .venv312/bin/python -m pytest "$@" || [ $? = 5 ]
+  # exit status 5: the selection held no test marked megatron. The whole selection on two
+  # workers, a test file on each, as the first run
+  workers=()
+  [ $# = 0 ] && workers=(-n "${DEL_TEST_WORKERS:-2}" --dist loadfile)
+  DEL_MEGATRON_ONLY=1 .venv312/bin/python -m pytest "${workers[@]}" "$@" || [ $? = 5 ]
 fi
