@@ -108,3 +108,72 @@ def benjamini_hochberg(p_values: list[float]) -> list[float]:
         running = min(running, p * m / (rank + 1))
         adjusted[i] = running
     return adjusted
+
+
+def equivalence_p(differences: list[float], margin: float) -> float:
+    """Two one-sided tests (TOST) of |mean| < margin on paired differences: the larger of
+    the one-sided Student t p-values of mean <= -margin and of mean >= +margin (n - 1
+    degrees of freedom). Equivalence at level a is p < a, which is the same as the
+    (1 - 2a) t interval lying inside (-margin, +margin). NaN below two differences."""
+    from scipy.stats import t
+
+    kept = [d for d in differences if not math.isnan(d)]
+    if len(kept) < 2:
+        return math.nan
+    mean, spread, n = statistics.fmean(kept), statistics.stdev(kept), len(kept)
+    if spread == 0:
+        return 0.0 if abs(mean) < margin else 1.0
+    se = spread / math.sqrt(n)
+    above = t.sf((mean + margin) / se, n - 1)  # H0: mean <= -margin
+    below = t.cdf((mean - margin) / se, n - 1)  # H0: mean >= +margin
+    return float(max(above, below))
+
+
+def detectable_difference(sd: float, n: int, alpha: float, power: float) -> float:
+    """The smallest true mean difference a two-sided paired t test at `alpha` finds with
+    `power`, for n pairs whose differences spread with standard deviation `sd`: exact, from
+    the noncentral t distribution (n - 1 degrees of freedom)."""
+    import numpy as np
+    from scipy.optimize import brentq
+    from scipy.stats import nct, t
+
+    if n < 2 or math.isnan(sd) or sd <= 0:
+        return math.nan
+    df, critical = n - 1, t.ppf(1 - alpha / 2, n - 1)
+
+    def short(shift: float) -> float:  # power at noncentrality `shift`, less the wanted
+        wrong_side = nct.cdf(-critical, df, shift)  # NaN where it underflows far from 0
+        return nct.sf(critical, df, shift) + float(np.nan_to_num(wrong_side)) - power
+
+    # the normal approximation's noncentrality, doubled, brackets the root from above
+    guess = t.ppf(1 - alpha / 2, df) + t.ppf(power, df)
+    return float(brentq(short, 0.0, 2 * guess) * sd / math.sqrt(n))
+
+
+def provable_margin(sd: float, n: int, alpha: float, power: float) -> float:
+    """The smallest equivalence margin that two one-sided tests, each at `alpha`, establish
+    with `power` when the true difference is 0, for n pairs with standard deviation `sd`:
+    (t_{1-alpha} + t_{(1+power)/2}) sd / sqrt(n) (both one-sided tests must pass; the usual
+    approximation, which treats the estimated SD as known)."""
+    from scipy.stats import t
+
+    if n < 2 or math.isnan(sd):
+        return math.nan
+    return float((t.ppf(1 - alpha, n - 1) + t.ppf((1 + power) / 2, n - 1)) * sd / math.sqrt(n))
+
+
+def sign_flip_p(differences: list[float]) -> float:
+    """Two-sided p of the exact sign-flip (paired permutation) test of mean 0: the share of
+    the 2^n sign patterns whose |mean| reaches the observed one. No normality assumed; NaN
+    below two differences or above 20 (2^20 patterns)."""
+    import itertools
+
+    kept = [d for d in differences if not math.isnan(d)]
+    if not 2 <= len(kept) <= 20:
+        return math.nan
+    observed = abs(sum(kept)) - 1e-12 * max(1.0, sum(abs(d) for d in kept))
+    hits = sum(
+        abs(sum(s * d for s, d in zip(signs, kept, strict=True))) >= observed
+        for signs in itertools.product((1, -1), repeat=len(kept))
+    )
+    return hits / 2 ** len(kept)

@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -90,10 +91,16 @@ class Protocol:
     data_seed: int = 0  # of the task suite
     config: str = CONFIG
     arms: tuple[Arm, ...] = field(default=ARMS)
+    long_seeds: tuple[int, ...] = ()
+    """Bases also continued `long_steps` by every arm (whether anything emerges later)."""
+    long_steps: int = 0
 
     def fingerprint(self) -> dict:
         """What makes two experiments' runs the same runs, as protocol.json holds it."""
-        return json.loads(json.dumps(asdict(self)))
+        same = json.loads(json.dumps(asdict(self)))
+        if not self.long_seeds:  # as before these fields existed: older roots still resume
+            del same["long_seeds"], same["long_steps"]
+        return same
 
 
 # ~75 core-minutes: 4 bases x 1000 steps + 4 x 12 continuations x 300 steps, evaluated.
@@ -125,10 +132,20 @@ class Run:
     arm: Arm | None  # None: a base
     seed: int
     directory: Path
+    steps: int | None = None
+    """A continuation's own length (`Protocol.long_steps`); None: the protocol's `steps`."""
+
+    @property
+    def kind(self) -> str:
+        """As the raw rows name it: the arm, and its length where that is not the protocol's
+        (`mle@1000`), so that rows of two lengths of one arm and base stay apart."""
+        if self.arm is None:
+            return "base"
+        return self.arm.name if self.steps is None else f"{self.arm.name}@{self.steps}"
 
     @property
     def name(self) -> str:
-        return f"base-{self.seed}" if self.arm is None else f"{self.arm.name} seed {self.seed}"
+        return f"base-{self.seed}" if self.arm is None else f"{self.kind} seed {self.seed}"
 
     @property
     def done(self) -> bool:
@@ -145,10 +162,15 @@ def bases_of(protocol: Protocol, root: Path) -> list[Run]:
 
 
 def continuations_of(protocol: Protocol, root: Path) -> list[Run]:
-    """Seed by seed, so that a partial experiment has every arm of its first seeds."""
+    """Seed by seed, so that a partial experiment has every arm of its first seeds; the long
+    continuations last."""
     return [
         Run(arm, s, root / "runs" / f"{arm.name}-{s}")
         for s in protocol.seeds
+        for arm in protocol.arms
+    ] + [
+        Run(arm, s, root / "runs" / f"{arm.name}-{s}-{protocol.long_steps}", protocol.long_steps)
+        for s in protocol.long_seeds
         for arm in protocol.arms
     ]
 
@@ -178,12 +200,13 @@ def train_command(protocol: Protocol, run: Run, data: Path, root: Path) -> list[
     if run.arm is None:
         steps = protocol.base_steps
         return [*common, "loss.kind=mle", f"train.steps={steps}", f"train.save_interval={steps}"]
+    steps = run.steps or protocol.steps
     return [
         *common,
         *run.arm.overrides(protocol.lr, protocol.min_lr),
         f"init.megatron={base_checkpoint(protocol, root, run.seed)}",
-        f"train.steps={protocol.steps}",
-        f"train.save_interval={protocol.steps}",
+        f"train.steps={steps}",
+        f"train.save_interval={steps}",
         f"train.log_interval={protocol.log_every}",
     ]
 
@@ -241,7 +264,7 @@ def train_and_evaluate(
     metrics = json.loads((run.directory / "metrics.json").read_text())
     arm = run.arm
     metrics.update(
-        kind=arm.name if arm else "base",
+        kind=run.kind,
         seed=run.seed,  # the base's (a continuation's train.seed is its data order's)
         loss_kind=arm.kind if arm else "mle",
         family=arm.family if arm else "",
@@ -279,7 +302,9 @@ def run_all(protocol: Protocol, root: Path, *, jobs: int, say=print) -> list[Run
     children, lock = Children(), threading.Lock()
     started, finished = time.monotonic(), [len(every) - len(todo)]
     # the work of a run, in base steps (a continuation also loads and is evaluated)
-    cost = {id(r): (protocol.base_steps if r.arm is None else protocol.steps) for r in every}
+    cost = {
+        id(r): (protocol.base_steps if r.arm is None else r.steps or protocol.steps) for r in every
+    }
     left = [sum(cost[id(r)] for r in todo)]
     spent = [0]
 
@@ -306,36 +331,46 @@ def run_all(protocol: Protocol, root: Path, *, jobs: int, say=print) -> list[Run
 
 def _stopped(signum, frame) -> None:
     print(
-        "continuations: stopped; the same command continues (finished runs are kept)",
+        "stopped; the same command continues (finished runs are kept)",
         file=sys.stderr,
         flush=True,
     )
     raise SystemExit(128 + signum)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="continuations", description=__doc__.splitlines()[0])
+@dataclass(frozen=True)
+class Experiment:
+    """An experiment made of bases and their continuations: this one, or another protocol on
+    the same machinery (`experiments.confirmatory`)."""
+
+    name: str  # runs/NAME[-ci], the messages' prefix
+    script: str  # the launcher that runs it, as the page names the command
+    full: Protocol
+    ci: Protocol
+    write_report: Callable[..., Path]
+    """(runs, out, *, protocol, command, minutes) -> report.md: raw rows, protocol.json, page."""
+
+
+def experiment_main(experiment: Experiment, argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog=experiment.name, description=__doc__.splitlines()[0])
     p.add_argument("--ci", action="store_true", help="the short version CI runs")
-    p.add_argument("--root", type=Path, help="runs and data (default runs/continuations[-ci])")
+    p.add_argument("--root", type=Path, help=f"runs and data (default runs/{experiment.name})")
     p.add_argument("--out", type=Path, help="report, plots, raw rows (default ROOT/report)")
     p.add_argument("--jobs", type=int, default=2, help="runs side by side (one core each)")
     a = p.parse_args(argv)
-    protocol = CI if a.ci else FULL
-    root = a.root or Path("runs/continuations-ci" if a.ci else "runs/continuations")
+    protocol = experiment.ci if a.ci else experiment.full
+    root = a.root or Path(f"runs/{experiment.name}" + ("-ci" if a.ci else ""))
     out = a.out or root / "report"
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _stopped)
     try:
         runs = run_all(protocol, root, jobs=a.jobs)
-        from .report import write_report
-
         metrics = [json.loads((r.directory / "metrics.json").read_text()) for r in runs]
         bases = [
             json.loads((b.directory / "metrics.json").read_text()) for b in bases_of(protocol, root)
         ]
-        command = ("bash launch/experiments/continuations.sh " + " ".join(argv)).strip()
-        written = write_report(
+        command = (f"bash {experiment.script} " + " ".join(argv)).strip()
+        written = experiment.write_report(
             bases + metrics,
             out,
             protocol=protocol.fingerprint(),
@@ -343,10 +378,19 @@ def main(argv: list[str] | None = None) -> int:
             minutes=(time.monotonic() - started) / 60,
         )
     except UserError as err:
-        print(f"continuations: error: {err}", file=sys.stderr)
+        print(f"{experiment.name}: error: {err}", file=sys.stderr)
         return 2
     print(f"written: {written} ({(time.monotonic() - started) / 60:.1f} min)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .report import write_report
+
+    experiment = Experiment(
+        "continuations", "launch/experiments/continuations.sh", FULL, CI, write_report
+    )
+    return experiment_main(experiment, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
