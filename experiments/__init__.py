@@ -5,8 +5,11 @@ the extra `experiments` installed (scipy; launch/setup_env.sh's `.[test]` has it
 
     numeric_tasks/   every loss kind against MLE on the numeric task suite (run, report)
     continuations/   DEL continuing a model MLE has trained (run, report)
+    confirmatory/    DEL at alpha 0.1 against MLE, pre-registered (run, report, prior),
+                     on the continuation runner
+    claims.py        the numbers the pages' hand-written sentences quote, from the raw rows
     effects.py       paired-by-seed intervals and tests both reports use
-    machine.py       the machine a page was made on
+    machine.py       the date, machine and commit a run records (protocol.json)
     results_page.py  the loss comparison's page (docs/results.md)
 """
 

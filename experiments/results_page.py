@@ -2,7 +2,10 @@
 `del-eval compare`, its plots, and the notes kept beside the experiment script.
 
     python -m experiments.results_page COMPARISON_MD OUT_MD --plots DIR
-        --minutes N --steps N --seeds N --notes FILE --command TEXT
+        --minutes N --steps N --seeds N --notes FILE --command TEXT [--summary FILE]
+
+The summary (launch/experiments/results_summary.md: what every experiment on the page
+supports, rules out and cannot say) comes first, the loss comparison after it.
 """
 
 from __future__ import annotations
@@ -27,9 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, required=True)
     p.add_argument("--notes", type=Path, required=True)
     p.add_argument("--command", required=True)
+    p.add_argument("--summary", type=Path, help="the page's opening summary (markdown)")
     args = p.parse_args(argv)
     plots = os.path.relpath(args.plots, args.out.parent)
+    summary = f"{args.summary.read_text().strip()}\n\n" if args.summary else ""
     page = f"""# Results: DEL and the other number losses on the tiny model
+
+{summary}## The loss comparison
 
 Regenerate from nothing with `{args.command.strip()}` (written {datetime.date.today()},
 {args.minutes} minutes on {machine()}).

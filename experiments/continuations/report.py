@@ -17,7 +17,7 @@ residual spread.
 from __future__ import annotations
 
 import argparse
-import datetime
+import itertools
 import json
 import math
 import statistics
@@ -29,7 +29,7 @@ from pathlib import Path
 from del_megatron.errors import UserError
 from del_megatron.outputs import write_text_atomic
 
-from ..effects import holm, t_interval
+from ..effects import holm, paired_differences, t_interval
 from ..numeric_tasks.report import read_raw  # the same raw-row format: one JSON object a line
 
 # (task, metric, label, the direction DEL's claim predicts): the pre-registered endpoints
@@ -243,6 +243,156 @@ def level_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def escape_table(rows: list[dict]) -> tuple[str, str]:
+    """Each DEL arm against the MLE continuation at the last logged training step, paired
+    by base: CE and the digit entropy (95% t intervals), and the term's share of the
+    gradient at the logits and its cosine with CE's (mean over bases); then what it says."""
+    train = [r for r in rows if r["task"] == "_train" and r["kind"] != "base"]
+    kinds = [k for k in dict.fromkeys(r["kind"] for r in train) if k.startswith("del")]
+    if not kinds:
+        return "(no DEL arm)\n", ""
+    last = max(r["step"] for r in train)
+    at = [r for r in train if r["step"] == last]
+    lines = [
+        f"| arm | CE − MLE's, step {last} | digit entropy − MLE's | term's share of the "
+        "logit gradient | its cosine with CE's |",
+        "|---|---|---|---|---|",
+    ]
+    excluded = []
+    for kind in kinds:
+        cells = []
+        for key in ("ce", "digit_entropy"):
+            i = t_interval(
+                paired_differences(
+                    _value(at, kind, "_train", key), _value(at, BASELINE, "_train", key)
+                )
+            )
+            mark = " ✱" if i.excludes_zero else ""
+            if mark:
+                excluded.append(f"{kind} {key.replace('_', ' ')}")
+            cells.append(
+                f"{_fmt(i.mean, '+.3f')} [{_fmt(i.low, '+.3f')}, {_fmt(i.high, '+.3f')}]{mark}"
+            )
+        for key in ("numeric_grad_share", "numeric_grad_cos"):
+            values = list(_value(at, kind, "_train", key).values())
+            cells.append(_fmt(statistics.fmean(values), "+.3f") if values else "–")
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    escaped = [e for e in excluded if e.startswith("del-")]  # the DEL arms, not del_si
+    tested = 2 * sum(k.startswith("del-") for k in kinds)
+    said = (
+        f"At step {last}, {len(excluded)} of {2 * len(kinds)} paired intervals of CE and the "
+        "digit entropy against MLE exclude 0 ("
+        + (", ".join(excluded) or "none")
+        + "); "
+        + (
+            f"{len(escaped)} of the {tested} of the DEL arms (whose term is escaped) do: the "
+            "escape does not leave CE and the digit entropy where MLE leaves them."
+            if escaped
+            else "none of the DEL arms' (whose term is escaped) do."
+        )
+        + " The share and cosine come from the log-step gradient probe, untested."
+    )
+    return "\n".join(lines) + "\n", said
+
+
+def shift_invariant_against_del(rows: list[dict], metric: str = "entropy_gap") -> str:
+    """The shift-invariant DEL minus DEL, paired by base, averaged over the alphas both
+    ran, per primary task: does closing the escape change the size?"""
+    last = _last(rows)
+    alphas = sorted(
+        {r["alpha"] for r in last if r["family"] == "del"}
+        & {r["alpha"] for r in last if r["family"] == "del_shift_invariant"}
+    )
+    tasks = list(dict.fromkeys(task for task, *_ in PRIMARY if task != "noisy"))
+    if not alphas:
+        return ""
+    cells, wider = [], []
+    for task in tasks:
+        by_base: dict[int, list[float]] = {}
+        for alpha in alphas:
+            si = {
+                r["seed"]: float(r[metric])
+                for r in last
+                if r["family"] == "del_shift_invariant"
+                and r["alpha"] == alpha
+                and r["task"] == task
+                and metric in r
+            }
+            de = {
+                r["seed"]: float(r[metric])
+                for r in last
+                if r["family"] == "del"
+                and r["alpha"] == alpha
+                and r["task"] == task
+                and metric in r
+            }
+            for seed in si.keys() & de.keys():
+                by_base.setdefault(seed, []).append(si[seed] - de[seed])
+        i = t_interval([statistics.fmean(v) for v in by_base.values() if len(v) == len(alphas)])
+        if i.excludes_zero:
+            wider.append(task)
+        cells.append(
+            f"{task} {_fmt(i.mean, '+.3f')} [{_fmt(i.low, '+.3f')}, {_fmt(i.high, '+.3f')}]"
+        )
+    return (
+        f"The shift-invariant DEL minus DEL, {metric.replace('_', ' ')} averaged over "
+        f"α = {', '.join(f'{a:g}' for a in alphas)}, paired by base (95% t interval): "
+        + "; ".join(cells)
+        + f". The interval excludes 0 on {len(wider)} of {len(tasks)} tasks"
+        + (f" ({', '.join(wider)})" if wider else "")
+        + ": a lead, not corrected.\n"
+    )
+
+
+def control_sentences(rows: list[dict]) -> str:
+    """Counts the page's tables hold, said: the placebo's intervals excluding 0, and on how
+    many tasks DEL's mean number MAE rises at every step of α (untested)."""
+    last = _last(rows)
+    tasks = sorted({r["task"] for r in last})
+    said = []
+    if any(r["kind"] == "placebo" for r in last):
+        outside = [
+            f"{task} {label}"
+            for metric, label, _ in EXPLORATORY_METRICS
+            for task in tasks
+            if t_interval(
+                paired_differences(
+                    _value(last, "placebo", task, metric), _value(last, BASELINE, task, metric)
+                )
+            ).excludes_zero
+        ]
+        said.append(
+            f"The placebo's intervals exclude 0 in {len(outside)} of "
+            f"{len(EXPLORATORY_METRICS) * len(tasks)} cells ({', '.join(outside) or 'none'}): "
+            "what a trivial nudge moves."
+        )
+    alphas = sorted({r["alpha"] for r in last if r["family"] == "del"})
+    rising = []
+    for task in tasks:
+        means = [
+            statistics.fmean(
+                [
+                    float(r["number_mae"])
+                    for r in last
+                    if r["family"] == "del"
+                    and r["alpha"] == a
+                    and r["task"] == task
+                    and "number_mae" in r
+                ]
+                or [math.nan]
+            )
+            for a in alphas
+        ]
+        if len(means) > 1 and all(b > a for a, b in itertools.pairwise(means)):
+            rising.append(task)
+    if len(alphas) > 1:
+        said.append(
+            f"DEL's mean number MAE rises at every step of α on {len(rising)} of {len(tasks)} "
+            f"tasks ({', '.join(rising) or 'none'}); untested (a lead)."
+        )
+    return " ".join(said) + "\n"
+
+
 def plot(rows: list[dict], out: Path) -> list[Path]:
     import matplotlib
 
@@ -315,10 +465,17 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
 
 def report(
-    rows: list[dict], *, protocol: dict, command: str, minutes: float, date: str, machine: str
+    rows: list[dict],
+    *,
+    protocol: dict,
+    command: str,
+    minutes: float,
+    date: str,
+    machine: str,
+    commit: str,
 ) -> str:
-    """The page; date and machine as recorded when the runs were made (protocol.json), so
-    that the page regenerates from its raw rows to the byte."""
+    """The page; date, machine and commit as recorded when the runs were made
+    (protocol.json), so that the page regenerates from its raw rows to the byte."""
     primary, survive = trend_table(rows, "del")
     secondary, leads = trend_table(rows, "del_shift_invariant")
     seeds = sorted({r["seed"] for r in rows})
@@ -350,9 +507,10 @@ def report(
         if leads
         else "No trend of the shift-invariant arm passes Holm within its own family."
     )
+    escape, escape_said = escape_table(rows)
     return f"""# Continuations: can DEL move a model MLE has trained?
 
-`{command}`, {date}, {took}{machine}.
+`{command}`, {date}, {took}{machine}, commit {commit}.
 
 Protocol: {json.dumps({k: v for k, v in protocol.items() if k != "arms"})}; arms:
 {", ".join(a["name"] for a in protocol.get("arms", []))}.
@@ -379,10 +537,13 @@ strictest level (0.05 / {len(PRIMARY)}), from the endpoint's own residual spread
 Training metrics of the continuations (mean over bases), first and last logged step:
 the log-sum-exp of the ten digit-class logits at digit positions, their mean, the numeric
 term (DEL: the place-weighted supervised digit entropy, before α), CE and the digit entropy.
-An escaped term falls with the logits' level while CE and the digit entropy stay where
-MLE leaves them.
+An escaped term falls with the logits' level; whether CE and the digit entropy stay where
+MLE leaves them is measured below, paired by base (✱: the 95% interval excludes 0).
 
 {level_table(rows)}
+{escape}
+{escape_said}
+
 ![logit level](logit_level.png)
 
 ## Exploratory: the shift-invariant DEL's trend (ours)
@@ -390,6 +551,7 @@ MLE leaves them.
 {secondary}
 {lead_line}
 
+{shift_invariant_against_del(rows)}
 ![dose response](dose_response.png)
 
 ## Exploratory: every arm against the MLE continuation
@@ -398,6 +560,7 @@ Paired by base, mean [95% Student t interval]; ✱: the interval excludes 0 (a l
 corrected for the {len(EXPLORATORY_METRICS)} metrics × tasks × arms it is one of). The
 placebo (MLE at lr ×1.1) shows what a trivial nudge moves.
 
+{control_sentences(rows)}
 {differences(rows)}
 """
 
@@ -412,6 +575,7 @@ def write_outputs(rows: list[dict], out: Path, recorded: dict) -> Path:
         minutes=recorded["minutes"],
         date=recorded["date"],
         machine=recorded["machine"],
+        commit=recorded["commit"],
     )
     write_text_atomic(out / "report.md", page)
     return out / "report.md"
@@ -420,16 +584,10 @@ def write_outputs(rows: list[dict], out: Path, recorded: dict) -> Path:
 def write_report(
     runs: Iterable[dict], out: Path, *, protocol: dict, command: str, minutes: float
 ) -> Path:
-    from ..machine import machine
+    from ..machine import provenance
 
     rows = raw_rows(list(runs))
-    recorded = {
-        "protocol": protocol,
-        "command": command,
-        "minutes": minutes,
-        "date": str(datetime.date.today()),
-        "machine": machine(),
-    }
+    recorded = {"protocol": protocol, "command": command, "minutes": minutes, **provenance()}
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "raw_runs.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     write_text_atomic(out / "protocol.json", json.dumps(recorded, indent=1) + "\n")

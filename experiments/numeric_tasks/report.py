@@ -12,7 +12,6 @@ interval paired by seed, steps to the digit-accuracy threshold) and the plots.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import statistics
@@ -400,9 +399,57 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     return written
 
 
-def report(rows: list[dict], *, protocol: dict, command: str, minutes: float) -> str:
-    from ..machine import machine
+def pairing_table(rows: list[dict], kind: str = POWER_KIND) -> str:
+    """Per task: how much pairing by seed narrows `kind` minus MLE in digit accuracy: the
+    correlation over seeds of the two kinds' values, and the SD of the difference paired by
+    seed and as if unpaired (sqrt of the sum of the two variances); then what it says."""
+    if kind not in {r["kind"] for r in rows}:
+        return ""
+    last = max(r["step"] for r in rows)
+    helps, hurts = [], []
+    lines = [
+        f"| task | seed correlation of MLE and {kind} | SD paired | SD unpaired | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for task in _order(r["task"] for r in rows):
+        mine = by_seed(rows, kind, task, last, "digit_acc")
+        theirs = by_seed(rows, BASELINE, task, last, "digit_acc")
+        seeds = sorted(mine.keys() & theirs.keys())
+        x, y = [theirs[s] for s in seeds], [mine[s] for s in seeds]
+        if len(seeds) < 3 or not statistics.stdev(x) or not statistics.stdev(y):
+            lines.append(f"| {task} | – | – | – | – |")
+            continue
+        paired = statistics.stdev([b - a for a, b in zip(x, y, strict=True)])
+        unpaired = math.sqrt(statistics.variance(x) + statistics.variance(y))
+        ratio = f"{unpaired / paired:.1f}x" if paired else "–"
+        r = statistics.correlation(x, y)
+        if paired and unpaired / paired >= 2:
+            helps.append(f"{task} ({ratio}, correlation {r:+.2f})")
+        if r < 0:
+            hurts.append(f"{task} ({r:+.2f})")
+        lines.append(f"| {task} | {r:+.2f} | {paired:.4f} | {unpaired:.4f} | {ratio} |")
+    said = (
+        "Pairing narrows the SD twofold or more on "
+        + (", ".join(helps) or "no task")
+        + "; the correlation is negative (pairing widens the SD) on "
+        + (", ".join(hurts) or "no task")
+        + "."
+    )
+    return "\n".join(lines) + "\n\n" + said + "\n"
 
+
+def report(
+    rows: list[dict],
+    *,
+    protocol: dict,
+    command: str,
+    minutes: float,
+    date: str,
+    machine: str,
+    commit: str,
+) -> str:
+    """The page; date, machine and commit as recorded when the run ended (protocol.json),
+    never the regenerating machine's."""
     effect_md, notes, tested = effect_tables(rows)
     last = max(r["step"] for r in rows)
     took = "" if math.isnan(minutes) else f"{minutes:.0f} minutes on "
@@ -426,7 +473,7 @@ def report(rows: list[dict], *, protocol: dict, command: str, minutes: float) ->
     )
     return f"""# Numeric tasks: every loss kind against MLE
 
-`{command}`, {datetime.date.today()}, {took}{machine()}.
+`{command}`, {date}, {took}{machine}, commit {commit}.
 
 Protocol: {json.dumps(protocol)}. Metrics on each task's held-out answers at step {last}
 (the last); mean ± standard deviation over seeds. Differences to MLE are paired by seed,
@@ -453,6 +500,9 @@ difference a paired test at 5% (uncorrected) would find with {POWER:.0%} power, 
 observed spread of the paired differences. An effect below it cannot be seen here.
 
 {power_table(rows)}
+What pairing by seed buys ({POWER_KIND} minus MLE, digit accuracy at the last step):
+
+{pairing_table(rows)}
 ## Final metrics
 
 {final_table(rows)}
@@ -473,7 +523,8 @@ that reach it (how many of them do).
 
 
 def write_outputs(rows: list[dict], out: Path, recorded: dict) -> Path:
-    """The plots and report.md of `rows` into `out`; recorded: {protocol, command, minutes}."""
+    """The plots and report.md of `rows` into `out`; recorded: {protocol, command, minutes,
+    date, machine, commit} (protocol.json)."""
     out.mkdir(parents=True, exist_ok=True)
     plot(rows, out)
     page = report(
@@ -481,6 +532,9 @@ def write_outputs(rows: list[dict], out: Path, recorded: dict) -> Path:
         protocol=recorded["protocol"],
         command=recorded["command"],
         minutes=recorded["minutes"],
+        date=recorded["date"],
+        machine=recorded["machine"],
+        commit=recorded["commit"],
     )
     write_text_atomic(out / "report.md", page)
     return out / "report.md"
@@ -489,9 +543,12 @@ def write_outputs(rows: list[dict], out: Path, recorded: dict) -> Path:
 def write_report(
     runs: list[dict], out: Path, *, protocol: dict, command: str, minutes: float
 ) -> Path:
-    """raw_runs.jsonl and protocol.json (what the report is made from), then the report."""
+    """raw_runs.jsonl and protocol.json (what the report is made from, with the date,
+    machine and commit of the run, recorded now, as it ends), then the report."""
+    from ..machine import provenance
+
     rows = raw_rows(runs)
-    recorded = {"protocol": protocol, "command": command, "minutes": minutes}
+    recorded = {"protocol": protocol, "command": command, "minutes": minutes, **provenance()}
     write_text_atomic(out / "raw_runs.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     write_text_atomic(out / "protocol.json", json.dumps(recorded, indent=1) + "\n")
     return write_outputs(rows, out, recorded)

@@ -68,5 +68,6 @@ minutes=$((($(date +%s) - started + 59) / 60))
 $bin/python -m experiments.results_page "$plots/comparison.md" "$report" \
   --plots "$plots" --minutes "$minutes" --steps "$steps" --seeds "${#seeds[@]}" \
   --notes launch/experiments/compare_losses.notes.md \
+  --summary launch/experiments/results_summary.md \
   --command "bash launch/experiments/compare_losses.sh ${1:-}"
 echo "written: $report (${minutes} min)"
