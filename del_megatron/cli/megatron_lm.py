@@ -216,6 +216,11 @@ def _numeric_builder(pretrain_gpt: ModuleType, loss_config: Any):
     built: list = []  # the builder, made once: one vocabulary for every (virtual) stage
 
     def numeric_gpt_builder(args, pre_process, post_process, vp_stage=None, **kwargs):
+        if getattr(args, "use_legacy_models", False):  # core_v0.16.x has the flag, 0.17 not
+            raise UserError(
+                "--use-legacy-models builds megatron.legacy's GPTModel; the numeric loss head "
+                "ends megatron-core's GPTModel: drop --use-legacy-models"
+            )
         if not built:
             from megatron.training import get_tokenizer
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from del_megatron import DigitVocab, NumericLossConfig
 from del_megatron.cli import megatron_lm as cli
 from del_megatron.errors import UserError
 from tests.distributed.launcher import torchrun_env
-from tests.loop_standins import STANDINS
+from tests.loop_standins import FORMS, write_checkout
 from tests.models.test_readme_megatron import ARGS
 
 pytestmark = pytest.mark.megatron
@@ -38,25 +39,11 @@ needs_megatron_training = pytest.mark.skipif(
 
 LOSS = NumericLossConfig(kind="del_distance", alpha=0.25, normalize="tokens")
 
-# what pretrain_gpt.py imports at module level, which the runner reads from it: in every form
-# (core_v0.16.1, core_v0.19.0, main) its builder and model provider
-IMPORTS = "from gpt_builders import gpt_builder\nfrom model_provider import model_provider\n"
-# and in the config-container form (Megatron-LM core_v0.18 and later; core_v0.16.x's and
-# core_v0.17.x's file imports none of them)
-CONTAINER_IMPORTS = (
-    "from megatron.training.argument_utils import gpt_config_from_args, "
-    "pretrain_cfg_container_from_args\n"
-    "from megatron.training.arguments import parse_and_validate_args\n"
-)
-
 
 def checkout(tmp_path, form: str):
-    """A Megatron-LM checkout's three files (stand-ins), pretrain_gpt.py in the given form."""
-    for file, text in STANDINS.items():
-        if file == "pretrain_gpt.py":
-            text = IMPORTS + (CONTAINER_IMPORTS if form == "config container" else "") + text
-        (tmp_path / file).write_text(text)
-    return tmp_path
+    """A Megatron-LM checkout's three files (stand-ins) at the tag whose pretrain_gpt.py has
+    the given form: core_v0.16.1 (model_provider) or core_v0.19.0 (config container)."""
+    return write_checkout(tmp_path, FORMS[form])
 
 
 # ---- the flags ----
@@ -262,6 +249,19 @@ def test_the_config_container_form_adds_the_head_as_the_last_pre_wrap_hook(
     assert vocab.fingerprint == DigitVocab.from_sentencepiece(synth_tokenizer).fingerprint
 
 
+def test_legacy_models_are_refused_in_one_line(monkeypatch):
+    """core_v0.16.x's --use-legacy-models: gpt_builder then builds megatron.legacy's GPTModel,
+    which the head cannot end (a TypeError from deep in the build before)."""
+    from del_megatron.models import megatron_lm
+
+    built = []
+    monkeypatch.setattr(megatron_lm, "numeric_builder", lambda *a: built.append(a))
+    builder = cli._numeric_builder(fake_pretrain_gpt(container=False), LOSS)
+    with pytest.raises(UserError, match="drop --use-legacy-models") as err:
+        builder(SimpleNamespace(use_legacy_models=True), True, True)
+    assert "\n" not in str(err.value) and built == []
+
+
 @needs_megatron_training
 def test_modelopt_is_refused_in_one_line(monkeypatch):
     recorded_pretrain(monkeypatch)
@@ -274,22 +274,22 @@ def test_modelopt_is_refused_in_one_line(monkeypatch):
 
 # ---- whole runs, Megatron-LM's files and pretrain standing in ----
 
-RUNNER = (
-    "import sys\n"
-    "import tests.loop_standins as standins\n"
-    "standins.install()\n"
-    "from del_megatron.cli.megatron_lm import main\n"
-    "sys.exit(main())\n"
-)
+# started with the interpreter (PYTHONPATH's sitecustomize), so that the command runs as a
+# user types it: megatron.training's pretrain (CUDA) replaced before the module reads it
+SITECUSTOMIZE = "import tests.loop_standins as standins\n\nstandins.install()\n"
 
 
 def run_cli(tmp_path, *argv: str) -> subprocess.CompletedProcess:
-    script = tmp_path / "run.py"
-    script.write_text(RUNNER)
+    """`python -m del_megatron.cli.megatron_lm ARGV` in `tmp_path`, pretrain standing in."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = torchrun_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
     return subprocess.run(
-        [sys.executable, str(script), *argv],
+        [sys.executable, "-m", "del_megatron.cli.megatron_lm", *argv],
         cwd=tmp_path,
-        env=torchrun_env(),
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
@@ -298,26 +298,31 @@ def run_cli(tmp_path, *argv: str) -> subprocess.CompletedProcess:
 
 
 @needs_megatron_training
-@pytest.mark.parametrize(
-    ("form", "tokenizer_type"),
-    [("config container", "SentencePieceTokenizer"), ("model_provider", "HuggingFaceTokenizer")],
-)
+@pytest.mark.parametrize("tokenizer_type", ["SentencePieceTokenizer", "HuggingFaceTokenizer"])
+@pytest.mark.parametrize("form", sorted(FORMS))
 def test_a_run_with_two_flags(
     form, tokenizer_type, tmp_path, synth_tokenizer, synth_llama3_tokenizer
 ):
+    """Each form of pretrain_gpt.py (core_v0.16.1's files, core_v0.19.0's) with each kind of
+    tokenizer Megatron-LM builds (core_v0.16.1's legacy classes in the first form, the
+    megatron.core.tokenizers of megatron.training 0.17+ in the second): the run's model ends
+    in the head with the digit vocabulary of the run's own tokenizer."""
     (tmp_path / "Megatron-LM").mkdir()
     repo = checkout(tmp_path / "Megatron-LM", form)
     if tokenizer_type == "SentencePieceTokenizer":
         model = shutil.copy(synth_tokenizer, tmp_path / "tokenizer.model")
+        expected = DigitVocab.from_sentencepiece(synth_tokenizer)
     else:
         (tmp_path / "hf").mkdir()
         shutil.copy(synth_llama3_tokenizer, tmp_path / "hf" / "tokenizer.json")
         model = tmp_path / "hf"
+        expected = DigitVocab.from_hf(synth_llama3_tokenizer)
     tokenizer = ("--tokenizer-type", tokenizer_type, "--tokenizer-model", str(model))
     flags = ("--numeric-loss", "del", "--numeric-alpha", "0.1", "--megatron-lm", str(repo))
     done = run_cli(tmp_path, *ARGS, *tokenizer, *flags)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     assert f"OK {form}: lm loss, objective, numeric, digit_acc" in done.stdout
+    assert f"VOCAB {expected.fingerprint}\n" in done.stdout
 
 
 @needs_megatron_training

@@ -43,10 +43,9 @@ def test_the_readme_has_the_three_examples():
 
 
 def run_example(name: str, tmp_path, *argv: str) -> str:
-    from tests.loop_standins import STANDINS
+    from tests.loop_standins import EXAMPLE_TAGS, write_checkout
 
-    for file, text in STANDINS.items():
-        (tmp_path / file).write_text(text)
+    write_checkout(tmp_path, EXAMPLE_TAGS[name])  # the files of the version it is written for
     script = tmp_path / "example.py"
     prelude = "import tests.loop_standins as s\ns.install()\n"
     script.write_text(prelude + examples()[name])
