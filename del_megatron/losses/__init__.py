@@ -2,6 +2,7 @@
 
 from .assemble import REPORT_PAIRS, STAT_KEYS, NumericLossOutput, report_pairs
 from .config import DEFAULT_ALPHA, DIGIT_KINDS, LossKind, NumericLossConfig
+from .documents import document_starts_of
 from .fused import default_chunk_tokens
 from .head import NumericLossHead
 from .kinds import KINDS, Kind, Objective
@@ -27,6 +28,7 @@ __all__ = [
     "TokenizerError",
     "default_chunk_tokens",
     "digit_places",
+    "document_starts_of",
     "emo_cost_embedding",
     "numeric_loss",
     "place_weights",

@@ -119,8 +119,13 @@ def prepare_targets(
     loss_mask: torch.Tensor | None,
     vocab_size: int,
     dtype: torch.dtype,
+    document_starts: torch.Tensor | None = None,
 ) -> Targets:
-    """Validate labels (the last dim is the sequence) and find digit positions and weights."""
+    """Validate labels (the last dim is the sequence) and find digit positions and weights.
+
+    document_starts: labels' shape, bool, True at the first label position of each document
+    of a packed row (`documents.document_starts_of`): numbers end there. None: every row is
+    one document (numbers end only at row edges and non-digits)."""
     valid = labels != cfg.ignore_index
     if loss_mask is not None:
         if loss_mask.shape != labels.shape:
@@ -128,6 +133,13 @@ def prepare_targets(
                 f"loss_mask {tuple(loss_mask.shape)} does not match labels {tuple(labels.shape)}"
             )
         valid = valid & (loss_mask != 0)
+    if document_starts is not None:
+        if document_starts.shape != labels.shape or document_starts.dtype != torch.bool:
+            raise ValueError(
+                f"document_starts must be a bool tensor of the labels' shape "
+                f"{tuple(labels.shape)}, got {document_starts.dtype} "
+                f"{tuple(document_starts.shape)}"
+            )
     bad = valid & ((labels < 0) | (labels >= vocab_size))
     message = (
         f"a label is out of range for a vocabulary of {vocab_size} tokens "
@@ -141,10 +153,10 @@ def prepare_targets(
         raise ValueError(message) from None
     safe = torch.where(valid, labels, 0).long()
     if vocab.grouped:
-        return grouped_targets(valid, safe, vocab, cfg, vocab_size, dtype)
+        return grouped_targets(valid, safe, vocab, cfg, vocab_size, dtype, document_starts)
     table = vocab.class_table(vocab_size, labels.device)
     classes = torch.where(valid, table[safe], NOT_A_CLASS)  # [..., s]
-    place, decimal_point = digit_places(classes)
+    place, decimal_point = digit_places(classes, document_starts)
     is_digit = (classes >= 0) & (classes <= 9)
     numeric = is_digit | (
         decimal_point if cfg.include_decimal_point else torch.zeros_like(is_digit)

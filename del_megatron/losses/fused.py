@@ -514,11 +514,13 @@ def vocab_parallel_fused_numeric_loss(
     chunk_tokens: int | None = None,
     recompute: bool = False,
     promise_scaled_loss: bool = False,
+    document_starts: torch.Tensor | None = None,
 ) -> NumericLossOutput:
     """`vocab_parallel_numeric_loss(hidden @ output_weight_shard.T, ...)` without the logits.
 
     hidden: [s, b, h] (the output layer's input, not sequence-parallel); output_weight_shard:
-    [V/tp, h], this rank's rows of the (padded) vocabulary; labels, loss_mask: [b, s].
+    [V/tp, h], this rank's rows of the (padded) vocabulary; labels, loss_mask: [b, s];
+    document_starts: [b, s] bool, where packed documents start (numbers end there), or None.
     Gradients flow to `hidden` (this rank's part, as for the product) and the weight shard.
     chunk_tokens: rows per chunk; None: `default_chunk_tokens(hidden.device)`, the one default
     (a model's `loss.fused_chunk_tokens: 0` comes here through `NumericLossHead`).
@@ -554,6 +556,7 @@ def vocab_parallel_fused_numeric_loss(
         loss_mask,
         group,
         cost_embedding,
+        document_starts,
     )
     wanted = (hidden.requires_grad, output_weight_shard.requires_grad)
     plan = None

@@ -35,17 +35,23 @@ def slot_offset(count: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     return 10 * (count * (count - 1) // 2 + slot)
 
 
-def grouped_places(classes: torch.Tensor, count: torch.Tensor, max_digits: int):
+def grouped_places(
+    classes: torch.Tensor,
+    count: torch.Tensor,
+    max_digits: int,
+    document_starts: torch.Tensor | None = None,
+):
     """Place of every digit of every number token.
 
     classes: [..., s] long, 0 at number tokens (any digit), POINT_CLASS at '.', negative
-    elsewhere; count: [..., s] long, digits of each number token (0 elsewhere).
+    elsewhere; count: [..., s] long, digits of each number token (0 elsewhere);
+    document_starts: [..., s] bool or None, where packed documents start (`number_runs`).
     Returns place [..., s, m] long (power of ten of digit j of the token at t in its whole
     number: "12345" as "123", "45" gives 4, 3, 2 and 1, 0) and is_slot [..., s, m] bool
     (j < count). A run's digits are counted with cumulative sums of `count` instead of
     positions, so with m = 1 this is `digit_places`.
     """
-    runs = number_runs(classes)
+    runs = number_runs(classes, document_starts)
     digits_through = torch.cumsum(count, dim=-1)  # digits at or before t
     digits_before = digits_through - count
     run_end = (runs.next_non_digit - 1).clamp_min(0)  # a number token's run's last token
@@ -70,18 +76,20 @@ def grouped_targets(
     cfg: NumericLossConfig,
     vocab_size: int,
     dtype: torch.dtype,
+    document_starts: torch.Tensor | None = None,
 ) -> Targets:
-    """`Targets` with m rows per token, row r slot r % m of token r // m: valid, safe [..., s]
-    (as `prepare_targets` makes them). numeric [N * m]: whether the slot is a digit of a
-    number token (j < its digit count); classes [N * m] the slot's digit, weights [N * m]
-    u(place), both 0 elsewhere; slots: each slot's sets (`SlotSets`)."""
+    """`Targets` with m rows per token, row r slot r % m of token r // m: valid, safe,
+    document_starts [..., s] (as `prepare_targets` has them). numeric [N * m]: whether the
+    slot is a digit of a number token (j < its digit count); classes [N * m] the slot's
+    digit, weights [N * m] u(place), both 0 elsewhere; slots: each slot's sets
+    (`SlotSets`)."""
     if cfg.include_decimal_point:
         vocab.class_members(11, safe.device)  # refuses it, in one line
     count_table, digit_table = vocab.number_table(vocab_size, safe.device)
     count = torch.where(valid, count_table[safe], 0)
     point = valid & (vocab.class_table(vocab_size, safe.device)[safe] == POINT_CLASS)
     classes = torch.where(count > 0, 0, torch.where(point, POINT_CLASS, NOT_A_CLASS))
-    place, is_slot = grouped_places(classes, count, vocab.max_digits)
+    place, is_slot = grouped_places(classes, count, vocab.max_digits, document_starts)
     if cfg.resolved_place_weighting:
         weights = place_weights(place, cfg.place_slope, cfg.decimal_base, dtype)
     else:

@@ -5,9 +5,10 @@ Given this rank's hidden states and output-weight shard (fused) or its logits sh
 `NumericLossOutput`: per-token losses [b, s] and statistics, tensors on the compute device.
 It owns what the loss needs beyond its inputs, so that nothing else has to:
 
-* EMO's cost embedding, a persistent buffer taken from the output weights the run starts
-  from (`take_cost_embedding`): in every checkpoint, so a resume uses the one the run started
-  with; HF export, which writes parameters only, leaves it out.
+* EMO's cost embedding, a buffer taken from the output weights the run starts from
+  (`take_cost_embedding`), float32 whatever the model's dtype: in every checkpoint (the head
+  writes and reads it itself, see `NumericLossHead._save_to_state_dict`), so a resume uses the
+  one the run started with; HF export, which writes the model's weights only, leaves it out.
 * the choice between the two ops (`fused`: `loss.fused_output`), the fused op's chunk size
   (`loss.fused_chunk_tokens`; 0 takes the op's one default, `fused.default_chunk_tokens`)
   and its `loss.fused_recompute` option.
@@ -22,6 +23,9 @@ it the same way.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import torch.distributed as dist
 
@@ -31,6 +35,22 @@ from .fused import default_chunk_tokens, vocab_parallel_fused_numeric_loss
 from .reference import emo_cost_embedding
 from .vocab import DigitVocab
 from .vocab_parallel import vocab_parallel_numeric_loss
+
+COST_EMBEDDING = "emo_cost_embedding"  # the buffer's name (its key in a state dict)
+# True within `cost_embedding_hidden()`
+_COST_EMBEDDING_HIDDEN = contextvars.ContextVar("cost_embedding_hidden", default=False)
+
+
+@contextlib.contextmanager
+def cost_embedding_hidden():
+    """Within it, every head leaves EMO's cost embedding out of its state dict (and so out of
+    the model's sharded state dict): for a load of weights made without it, which then takes it
+    from the loaded output weights (`models.gpt.NumericLossGPTModel.hide_loss_modules`)."""
+    token = _COST_EMBEDDING_HIDDEN.set(True)
+    try:
+        yield
+    finally:
+        _COST_EMBEDDING_HIDDEN.reset(token)
 
 
 class NumericLossHead(torch.nn.Module):
@@ -62,8 +82,11 @@ class NumericLossHead(torch.nn.Module):
                     f"kind={cfg.kind!r} needs the output weights its cost embedding is taken from"
                 )
             cost = emo_cost_embedding(output_weight)
-        # None for the other kinds: a None buffer is in no state dict
-        self.register_buffer("emo_cost_embedding", cost, persistent=True)
+        # None for the other kinds. Registered non-persistent and saved by the head itself
+        # (_save_to_state_dict): it is no weight of the model, and Megatron-Bridge's HF import
+        # and export look up an HF name for every persistent buffer of a model (a buffer with
+        # none failed both: 'NoneType' object has no attribute 'megatron_module')
+        self.register_buffer(COST_EMBEDDING, cost, persistent=False)
 
     @property
     def fused(self) -> bool:
@@ -76,12 +99,64 @@ class NumericLossHead(torch.nn.Module):
         return self.cfg.fused_chunk_tokens or default_chunk_tokens(device)
 
     def take_cost_embedding(self, output_weight: torch.Tensor) -> None:
-        """Take EMO's cost embedding again from `output_weight` [V/tp, h] (this rank's rows):
-        after initial weights are loaded into a built model (the trainer does). No-op for a
-        kind without one."""
+        """Take EMO's cost embedding again from `output_weight` [V/tp, h] (this rank's rows),
+        in float32: after initial weights are loaded into a built model (the trainer does;
+        `models.gpt` for megatron's loops). No-op for a kind without one."""
         if self.emo_cost_embedding is not None:
             with torch.no_grad():
                 self.emo_cost_embedding.copy_(emo_cost_embedding(output_weight))
+
+    def saved_cost_embedding(self) -> torch.Tensor | None:
+        """EMO's cost embedding [V/tp, h] as a checkpoint keeps it; None for a kind without
+        one and within `cost_embedding_hidden()`."""
+        return None if _COST_EMBEDDING_HIDDEN.get() else self.emo_cost_embedding
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """torch's, and EMO's cost embedding (a non-persistent buffer, see __init__)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        cost = self.saved_cost_embedding()
+        if cost is not None:
+            destination[prefix + COST_EMBEDDING] = cost if keep_vars else cost.detach()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        """torch's, and EMO's cost embedding read as a persistent buffer would be (missing
+        when absent, a shape mismatch an error), kept float32."""
+        key = prefix + COST_EMBEDDING
+        saved = state_dict.pop(key, None)  # not a key torch would know (non-persistent)
+        cost = self.emo_cost_embedding
+        if cost is None:
+            if saved is not None:
+                unexpected_keys.append(key)
+        elif saved is None:
+            if strict:
+                missing_keys.append(key)
+        elif saved.shape != cost.shape:
+            errors.append(
+                f"size mismatch for {key}: copying a param with shape {tuple(saved.shape)} from "
+                f"checkpoint, the shape in current model is {tuple(cost.shape)}."
+            )
+        elif local_metadata.get("assign_to_params_buffers", False):
+            self.register_buffer(COST_EMBEDDING, saved.float(), persistent=False)
+        else:
+            with torch.no_grad():
+                cost.copy_(saved)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
+
+    def _apply(self, fn, recurse=True):
+        """torch's (`.to()`, `.cuda()`, `.bfloat16()`, ...), with EMO's cost embedding kept
+        float32: megatron's Float16Module casts every floating buffer of the model it wraps
+        (every bf16 and fp16 run of Megatron-LM and Megatron-Bridge); the cost embedding goes
+        to the new device with its float32 values."""
+        cost = self.emo_cost_embedding
+        super()._apply(fn, recurse)
+        moved = self.emo_cost_embedding
+        if cost is not None and moved is not None and moved.dtype != cost.dtype:
+            self.register_buffer(COST_EMBEDDING, cost.to(moved.device), persistent=False)
+        return self
 
     def forward(
         self,
@@ -92,10 +167,14 @@ class NumericLossHead(torch.nn.Module):
         hidden: torch.Tensor | None = None,
         output_weight: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
+        document_starts: torch.Tensor | None = None,
     ) -> NumericLossOutput:
         """labels, loss_mask [b, s]; either hidden [s, b, h] (not sequence-parallel) with
         output_weight [V/tp, h] (when `fused`), or logits [s, b, V/tp]. Gradients reach them
-        through autograd. Every rank of `group` returns the same output."""
+        through autograd. Every rank of `group` returns the same output.
+        document_starts: [b, s] bool, True at the first label position of each document of a
+        packed row (`losses.documents.document_starts_of`): numbers end there; None, every
+        row is one document."""
         if (hidden is None) == (logits is None):
             raise ValueError("NumericLossHead takes either hidden (with output_weight) or logits")
         if logits is not None:
@@ -107,6 +186,7 @@ class NumericLossHead(torch.nn.Module):
                 loss_mask,
                 group,
                 cost_embedding=self.emo_cost_embedding,
+                document_starts=document_starts,
             )
         if output_weight is None:
             raise ValueError("NumericLossHead: hidden needs output_weight (this rank's rows)")
@@ -122,4 +202,5 @@ class NumericLossHead(torch.nn.Module):
             chunk_tokens=self.chunk_tokens(hidden.device),
             recompute=self.cfg.fused_recompute,
             promise_scaled_loss=self.promise_scaled_loss,
+            document_starts=document_starts,
         )

@@ -78,6 +78,7 @@ def numeric_loss(
     loss_mask: torch.Tensor | None = None,
     *,
     cost_embedding: torch.Tensor | None = None,
+    document_starts: torch.Tensor | None = None,
 ) -> NumericLossOutput:
     """CE + alpha * numeric part of cfg.kind, on one device.
 
@@ -85,6 +86,8 @@ def numeric_loss(
     modified); labels: [..., s], already shifted (labels[..., t] is the target of
     logits[..., t, :]), cfg.ignore_index where there is none; loss_mask: [..., s], nonzero =
     counted. cost_embedding: [V, h] rows L2-normalized (see `emo_cost_embedding`), emo only.
+    document_starts: [..., s] bool, True at the first label position of each packed document
+    (`documents.document_starts_of`): numbers end there; None: one document per row.
     """
     cfg = cfg or NumericLossConfig()
     check_logits_labels(logits.shape, labels, "logits")
@@ -92,7 +95,7 @@ def numeric_loss(
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
     vocab_size = _true_vocab_size(vocab, logits.shape[-1])
     dtype = compute_dtype(logits.dtype)
-    targets = prepare_targets(labels, vocab, cfg, loss_mask, vocab_size, dtype)
+    targets = prepare_targets(labels, vocab, cfg, loss_mask, vocab_size, dtype, document_starts)
 
     flat = logits.reshape(-1, logits.shape[-1])
     member_ids, member_valid = vocab.class_members(cfg.num_classes, logits.device)

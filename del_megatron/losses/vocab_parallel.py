@@ -254,8 +254,10 @@ def prepare_vocab_parallel(
     loss_mask: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     cost_embedding: torch.Tensor | None,
+    document_starts: torch.Tensor | None = None,
 ) -> Prepared:
-    """Checks and target preparation for logits of shape `shard_shape` [s, b, V/tp]."""
+    """Checks and target preparation for logits of shape `shard_shape` [s, b, V/tp];
+    document_starts [b, s] as labels (`prepare_targets`)."""
     seq, batch, local_columns = shard_shape
     check_logits_labels(torch.Size((batch, seq, local_columns)), labels, "logits [s, b] as [b, s]")
     group = group if group is not None else _default_group()
@@ -273,7 +275,9 @@ def prepare_vocab_parallel(
                 f"kind='emo' needs cost_embedding: this rank's [{local_columns}, hidden] rows of "
                 "emo_cost_embedding(output_layer.weight)"
             )
-    targets = prepare_targets(labels, vocab, cfg, loss_mask, vocab_size, compute_dtype(dtype))
+    targets = prepare_targets(
+        labels, vocab, cfg, loss_mask, vocab_size, compute_dtype(dtype), document_starts
+    )
     # Logit rows run over [s, b]; target rows over [b, s]: reorder the small tensors only.
     target_sb = to_sb(targets.safe_labels, seq, batch)
     member_ids, member_valid = vocab.class_members(cfg.num_classes, device)
@@ -319,12 +323,14 @@ def vocab_parallel_numeric_loss(
     group: dist.ProcessGroup | None = None,
     *,
     cost_embedding: torch.Tensor | None = None,
+    document_starts: torch.Tensor | None = None,
 ) -> NumericLossOutput:
     """`numeric_loss` on this rank's vocabulary shard; per_token is [b, s].
 
     logits_shard: [s, b, V/tp], this rank's contiguous slice of the (padded) vocabulary;
     labels, loss_mask: [b, s]; group: the tensor-parallel group (default: megatron-core's);
-    cost_embedding: this rank's rows [V/tp, h] of the EMO cost embedding (emo only).
+    cost_embedding: this rank's rows [V/tp, h] of the EMO cost embedding (emo only);
+    document_starts: [b, s] bool, where packed documents start (numbers end there), or None.
     Every rank returns the same loss, per-token losses and statistics.
     """
     cfg = cfg or NumericLossConfig()
@@ -341,6 +347,7 @@ def vocab_parallel_numeric_loss(
         loss_mask,
         group,
         cost_embedding,
+        document_starts,
     )
     ce, class_logits, target_is_max, emo = _VocabParallelParts.apply(
         logits_shard.reshape(seq * batch, local_columns),

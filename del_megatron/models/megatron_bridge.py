@@ -11,7 +11,10 @@ with `cfg.model.calculate_per_token_loss = True` and `cfg.ddp.average_in_collect
 
 * `NumericLossGPTModelProvider`: Bridge's GPTModelProvider (every field of the recipe's or
   AutoBridge's provider kept) whose `provide(pre_process, post_process, vp_stage)` returns the
-  GPTModel Bridge builds, ending in the numeric loss head.
+  GPTModel Bridge builds, ending in the numeric loss head. EMO's cost embedding is taken from
+  the weights AutoBridge's pre-wrap hook loads (`gpt.take_emo_cost_embedding`, the hook after
+  it), kept float32 under Bridge's Float16Module, saved in Bridge's checkpoints, and in no
+  HF import or export (it is no weight of the model).
 * `forward_step(state, data_iterator, model, return_schedule_plan=False)`: Bridge's own forward
   step (its get_batch, packed sequences, FLOPs accounting, timers), with the loss mask reaching
   the model, and this project's loss function (`megatron_lm.loss_func`: Megatron's contract and
@@ -40,7 +43,7 @@ from megatron.bridge.training import gpt_step
 from ..errors import UserError
 from ..losses import DigitVocab, NumericLossConfig
 from . import megatron_lm
-from .gpt import NumericLossGPTModel, labels_carry_the_mask
+from .gpt import NumericLossGPTModel, labels_carry_the_mask, take_emo_cost_embedding
 
 
 @dataclass
@@ -61,7 +64,11 @@ class NumericLossGPTModelProvider(GPTModelProvider):
                 "run's tokenizer)"
             )
         model = super().provide(pre_process, post_process, vp_stage)
-        return megatron_lm.to_numeric_model(model, self.digit_vocab, self.numeric_loss)
+        # Bridge's packed data sets shift each document on its own
+        labels = "document"
+        return megatron_lm.to_numeric_model(
+            model, self.digit_vocab, self.numeric_loss, packed_labels=labels
+        )
 
     @classmethod
     def from_provider(
@@ -94,6 +101,10 @@ class NumericLossGPTModelProvider(GPTModelProvider):
         # uninitialized memory)
         if provider.pre_wrap_hook is not None:  # the registered hooks, composed in order
             numeric.register_pre_wrap_hook(provider.pre_wrap_hook)
+        # EMO's cost embedding from the weights those hooks loaded (before: taken at the
+        # build, from uninitialized memory); ahead of hooks registered later (Bridge's PEFT
+        # hook wraps the output layer)
+        numeric.register_pre_wrap_hook(take_emo_cost_embedding)
         if provider.post_wrap_hook is not None:
             numeric.register_post_wrap_hook(provider.post_wrap_hook)
         return numeric

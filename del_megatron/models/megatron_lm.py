@@ -33,6 +33,7 @@ from megatron.core.models.gpt import GPTModel
 
 from ..errors import UserError
 from ..losses import DigitVocab, NumericLossConfig
+from ..losses.documents import Shifted
 from . import gpt
 
 # Megatron-LM's factor for a spiky loss (pretrain_gpt.py SPIKY_LOSS_FACTOR): 10x the largest
@@ -79,12 +80,9 @@ def check_megatron_loop(config: Any, loss_config: NumericLossConfig) -> None:
             "overlap_moe_expert_parallel_comm (--overlap-moe-expert-parallel-comm) schedules "
             "megatron's own loss inside its plan, not the numeric loss head: leave it off"
         )
-    if getattr(config, "use_mup", False):  # megatron-core 0.19+
-        raise UserError(
-            "use_mup=True (--use-mup): the numeric head reads the output layer's logits "
-            "before megatron's muP output scaling (mup_output_mult), which it does not apply "
-            "yet; drop --use-mup"
-        )
+    # muP: exact where the head runs in GPTModel's output_processor, after megatron's logit
+    # scaling (0.18+); refused where it has none (0.17)
+    gpt.refuse_mup_without_output_processor(config)
     if config.context_parallel_size > 1:
         raise UserError(
             f"context_parallel_size={config.context_parallel_size}: the numeric loss reads "
@@ -94,10 +92,15 @@ def check_megatron_loop(config: Any, loss_config: NumericLossConfig) -> None:
 
 
 def to_numeric_model(
-    model: GPTModel, digit_vocab: DigitVocab, loss_config: NumericLossConfig
+    model: GPTModel,
+    digit_vocab: DigitVocab,
+    loss_config: NumericLossConfig,
+    packed_labels: Shifted = "row",
 ) -> gpt.NumericLossGPTModel:
     """A GPTModel (one pipeline stage) built by megatron's own builder, made to end in the
-    numeric loss head, after `check_megatron_loop`."""
+    numeric loss head, after `check_megatron_loop`. packed_labels: where the loop puts the
+    labels of packed documents, "row" for Megatron-LM's data sets (the packed row shifted
+    as a whole), "document" for Megatron-Bridge's (`losses.documents`)."""
     check_megatron_loop(model.config, loss_config)
     if model.fp16_lm_cross_entropy:
         # GPTModel's own cross entropy in half precision; the head computes in float32
@@ -106,7 +109,9 @@ def to_numeric_model(
             "entropy in half precision; the numeric loss head computes its loss in float32: "
             "leave it off"
         )
-    return gpt.NumericLossGPTModel.from_gpt_model(model, digit_vocab, loss_config)
+    return gpt.NumericLossGPTModel.from_gpt_model(
+        model, digit_vocab, loss_config, packed_labels=packed_labels
+    )
 
 
 def numeric_builder(

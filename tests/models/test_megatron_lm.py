@@ -326,13 +326,15 @@ def test_a_model_called_without_loss_mask_is_refused_in_one_line(model):
     assert_close(found.loss, expected.loss, atol=1e-6, what="loss with the mask in the labels")
 
 
-def test_packed_documents_are_refused_in_one_line(model):
-    """Megatron-LM's get_batch hands packed documents' boundaries (cu_seqlens) to the model
-    as packed_seq_params; the head reads digit runs along a row, so two documents that meet
-    digit-to-digit were read as one number (numeric term 0.3326 against 0.2340 as separate
-    rows, issue 51). Refused until the head ends runs there; None (unpacked) trains."""
+def test_packed_documents_without_the_loops_label_layout_are_refused(model, monkeypatch):
+    """Packed documents (packed_seq_params) are read where the model knows where its loop
+    puts their labels (`packed_labels`: Megatron-LM's builders set "row", Bridge's provider
+    "document"; tests/models/test_megatron_packed.py); a model built without it (this
+    project's trainer never packs) refuses them in one line, and unpacked rows train."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    assert model.packed_labels == "row"  # numeric_builder's
+    monkeypatch.setattr(model, "packed_labels", None)
     tokens, labels, mask, positions = batch()
     seqlens = torch.tensor([0, 5, tokens.shape[1]], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=seqlens, cu_seqlens_kv=seqlens)
@@ -340,16 +342,6 @@ def test_packed_documents_are_refused_in_one_line(model):
         model(tokens, positions, None, labels=labels, loss_mask=mask, packed_seq_params=packed)
     assert "\n" not in str(refused.value)
     model(tokens, positions, None, labels=labels, loss_mask=mask, packed_seq_params=None)
-
-
-def test_mup_is_refused_in_one_line(config):
-    """--use-mup (megatron-core 0.19+): GPTModel scales its logits (mup_output_mult) before
-    its own loss; the head read them unscaled (objective 5.8001 against 5.8061, issue 51)."""
-    changed = replace(config)
-    changed.use_mup = True  # after __post_init__ (on 0.16, which has no muP, a plain field)
-    with pytest.raises(UserError, match="--use-mup") as refused:
-        megatron_lm.check_megatron_loop(changed, LOSS)
-    assert "\n" not in str(refused.value)
 
 
 def pretrain_gpt_loss_func(loss_mask, output_tensor, model=None):
