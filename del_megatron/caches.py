@@ -34,8 +34,10 @@ CACHES = (
 
 
 def writable(path: Path) -> bool:
-    """Whether `path` can be created and written: its nearest existing ancestor is a
-    directory this process may write in (access() also refuses a read-only filesystem)."""
+    """Whether `path` can be created and written: a directory can be made and removed in
+    its nearest existing ancestor, as the library's makedirs will. Tried, not predicted:
+    access() says yes to root wherever the mode bits allow, where the filesystem still
+    refuses (HOME=/proc/nonexistent: DeepSpeed's build died in makedirs)."""
     if not path.is_absolute():  # "~" that nothing expands: no home at all
         return False
     existing = path
@@ -43,7 +45,13 @@ def writable(path: Path) -> bool:
         if existing == existing.parent:
             return False
         existing = existing.parent
-    return existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+    if not existing.is_dir():
+        return False
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".del-megatron-probe-", dir=existing))
+    except OSError:
+        return False
+    return True
 
 
 def _default(template: str, env) -> Path:

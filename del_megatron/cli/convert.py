@@ -46,13 +46,21 @@ def hf_to_megatron_cmd(args: argparse.Namespace) -> str:
 
 def megatron_to_hf_cmd(args: argparse.Namespace) -> str:
     print(f"del-convert: exporting {args.checkpoint} to {args.out}", flush=True)
-    what = export_hf(
+    exported = export_hf(
         args.checkpoint, args.out, dtype=args.dtype, force=args.force, wait=args.wait_for_lock
     )
+    out = str(args.out)
+    if exported.tokenizer is None:  # weights written without one: nothing to tokenize with
+        return (
+            f"{args.checkpoint} -> {args.out} ({exported}; no tokenizer beside the weights: "
+            "copy the run's tokenizer there as tokenizer.model or tokenizer.json)\n"
+            f"next: transformers.AutoModelForCausalLM.from_pretrained({out!r}) loads it"
+        )
+    # checked before it was put in place (models/conversion.check_export): these load it
     return (
-        f"{args.checkpoint} -> {args.out} ({what})\n"
-        f"next: transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r}) and "
-        f"AutoTokenizer.from_pretrained({str(args.out)!r}) load it; del-eval {args.out} "
+        f"{args.checkpoint} -> {args.out} ({exported}, tokenizer {exported.tokenizer})\n"
+        f"next: transformers.AutoModelForCausalLM.from_pretrained({out!r}) and "
+        f"AutoTokenizer.from_pretrained({out!r}) load it; del-eval {args.out} "
         "--heldout MANIFEST evaluates it"
     )
 

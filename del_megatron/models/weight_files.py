@@ -17,7 +17,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -209,9 +209,11 @@ def _rank_files(root: Path) -> list[list[Path]]:
 
 
 def tokenizer_of_weights(directory: str | Path) -> Path | None:
+    """The run's tokenizer file in a weights directory, under the name the run gave it (a
+    checkpoint copies data.tokenizer as it is: digits-sp.model, my-bpe.json)."""
     root = Path(directory) / WEIGHTS
-    for pattern in ("tokenizer.json", "*.model"):
-        found = sorted(root.glob(pattern))
+    for pattern in ("tokenizer.json", "*.model", "*.json"):
+        found = sorted(p for p in root.glob(pattern) if p.name not in ("arch.json", INDEX))
         if found:
             return found[0]
     return None
@@ -340,8 +342,15 @@ class HFWriter:
         self.written.append((name, sorted(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
-    def finish(self, config, tokenizer_dir: str | Path | None = None) -> None:
-        """Write config (a transformers config object) and the tokenizer; put in place."""
+    def finish(
+        self,
+        config,
+        tokenizer_dir: str | Path | None = None,
+        *,
+        check: Callable[[Path], None] | None = None,
+    ) -> None:
+        """Write config (a transformers config object) and the tokenizer; `check` (given the
+        complete staging directory: raises to keep it from being put in place); put in place."""
         self._flush()
         count = len(self.written)
         weight_map = {}
@@ -362,6 +371,8 @@ class HFWriter:
                 for f in Path(tokenizer_dir).glob(pattern):
                     if f.is_file():
                         shutil.copy(f, self.tmp / f.name)
+        if check is not None:
+            check(self.tmp)
         commit_output(self.tmp, self.final, self.is_ours)
 
     def abandon(self) -> None:

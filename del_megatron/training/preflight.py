@@ -25,14 +25,16 @@ def launch_world_size() -> int:
 
 
 def _writable(directory: Path) -> None:
-    """output_dir can be created and written (checked without creating anything)."""
-    existing = directory
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"output_dir={directory}: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"output_dir={directory}: {existing} is not writable")
+    """output_dir can be created and written: a file is made and removed in it, or in the
+    nearest directory above it where it will be made (outputs.check_output_dir). Tried, not
+    predicted from access(), which says yes to root where the filesystem refuses."""
+    from ..errors import UserError
+    from ..outputs import check_output_dir
+
+    try:
+        check_output_dir(directory, "output_dir")
+    except UserError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _resume_point(

@@ -564,7 +564,6 @@ def config_problem(cfg) -> str | None:
     if parallel.virtual_pipeline_parallel is not None:
         if parallel.pipeline_parallel == 1:
             return "parallel.virtual_pipeline_parallel needs parallel.pipeline_parallel > 1"
-        chunks = parallel.pipeline_parallel * parallel.virtual_pipeline_parallel
         uneven = parallel.first_stage_layers is not None or parallel.last_stage_layers is not None
         if uneven:
             return (
@@ -572,62 +571,93 @@ def config_problem(cfg) -> str | None:
                 "parallel.virtual_pipeline_parallel: not supported here (every model chunk "
                 "gets the same number of layers)"
             )
-        if cfg.model.num_layers % chunks:
-            return (
-                f"model.num_layers={cfg.model.num_layers} does not split into "
-                f"parallel.pipeline_parallel x virtual_pipeline_parallel = {chunks} equal chunks"
-            )
+        return _stage_split_problem(cfg)
     elif parallel.pipeline_parallel > 1:
-        return _stage_split_problem(cfg.model.num_layers, parallel)
+        return _stage_split_problem(cfg)
     elif parallel.first_stage_layers is not None or parallel.last_stage_layers is not None:
         return "parallel.first_stage_layers / last_stage_layers need parallel.pipeline_parallel > 1"
     return None
 
 
-def _stage_split_problem(layers: int, parallel) -> str | None:
-    """Whether `layers` split over the pipeline's stages as parallel.first_stage_layers /
-    last_stage_layers ask (megatron's rule: the stages between split the rest evenly)."""
-    pp, first, last = (
-        parallel.pipeline_parallel,
-        parallel.first_stage_layers,
-        parallel.last_stage_layers,
-    )
-    rest, middle = (
-        layers - (first or 0) - (last or 0),
-        pp - (first is not None) - (last is not None),
-    )
-    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
-        given = ", ".join(
-            f"parallel.{n}={v}"
-            for n, v in (("first_stage_layers", first), ("last_stage_layers", last))
-            if v is not None
-        )
+def _stage_split_problem(cfg) -> str | None:
+    """Whether megatron-core splits model.num_layers over the pipeline's stages (and their
+    virtual stages) as the config asks, every model chunk at least one layer: its own check
+    and arithmetic (`chunk_layers`), in one line naming our fields (None: it does)."""
+    parallel, layers = cfg.parallel, cfg.model.num_layers
+    try:
+        split = chunk_layers(cfg)
+    except ValueError as err:
+        reason = " ".join(str(err).split())  # megatron's messages carry runs of spaces
+    else:
+        if min(min(stage) for stage in split) >= 1:
+            return None
+        reason = f"a model chunk would get no layers: {split}"
+    pp, vp = parallel.pipeline_parallel, parallel.virtual_pipeline_parallel
+    if vp is not None:
         return (
-            f"model.num_layers={layers} does not split over parallel.pipeline_parallel={pp} "
-            f"stages{' with ' + given if given else ''}: the stages "
-            f"{'between ' if given else ''}take equal shares"
+            f"model.num_layers={layers} does not split into parallel.pipeline_parallel x "
+            f"virtual_pipeline_parallel = {pp * vp} equal chunks of at least one layer "
+            f"(megatron-core: {reason})"
         )
-    return None
+    given = ", ".join(
+        f"parallel.{n}={v}"
+        for n, v in (
+            ("first_stage_layers", parallel.first_stage_layers),
+            ("last_stage_layers", parallel.last_stage_layers),
+        )
+        if v is not None
+    )
+    return (
+        f"model.num_layers={layers} does not split over parallel.pipeline_parallel={pp} "
+        f"stages{' with ' + given if given else ''}: the stages "
+        f"{'between ' if given else ''}take equal shares, every stage at least one layer "
+        f"(megatron-core: {reason})"
+    )
+
+
+def chunk_layers(cfg) -> list[list[int]]:
+    """The decoder layers of each model chunk, [pipeline stage][virtual stage], computed by
+    megatron-core itself: the split fields of the run's TransformerConfig (`stage_overrides`:
+    num_layers_in_first / last_pipeline_stage) checked by its own __post_init__, then
+    `get_num_layers_to_build` for every stage and chunk, as the build calls it. So --check
+    and --dry-run refuse what the build would (a stage of 0 layers, a first stage of 0),
+    on the installed megatron-core's rules. ValueError with megatron's reason otherwise."""
+    import warnings
+
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel = cfg.parallel
+    pp, vp = parallel.pipeline_parallel, parallel.virtual_pipeline_parallel
+    with warnings.catch_warnings():  # its notices about fields the split does not read
+        warnings.simplefilter("ignore")
+        config = TransformerConfig(
+            num_layers=cfg.model.num_layers,
+            hidden_size=cfg.model.hidden_size,
+            num_attention_heads=cfg.model.num_attention_heads,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp,
+            pipeline_dtype=torch.float32,  # required at PP > 1; the split does not read it
+            **stage_overrides(cfg),
+        )
+    try:
+        return [
+            [
+                get_num_layers_to_build(config, vp_stage=v if vp else None, pp_rank=stage)
+                for v in range(vp or 1)
+            ]
+            for stage in range(pp)
+        ]
+    except AssertionError as err:  # its even split is asserted, not raised
+        raise ValueError(str(err)) from None
 
 
 def stage_layers(cfg) -> list[int]:
     """The decoder layers of each pipeline stage (all its virtual stages together), as
-    megatron splits them: parallel.first_stage_layers / last_stage_layers where set, the
-    rest evenly (config.py refuses a split that is not)."""
-    parallel, layers = cfg.parallel, cfg.model.num_layers
-    pp, first, last = (
-        parallel.pipeline_parallel,
-        parallel.first_stage_layers,
-        parallel.last_stage_layers,
-    )
-    middle = pp - (first is not None) - (last is not None)
-    even = (layers - (first or 0) - (last or 0)) // middle if middle else 0
-    split = [even] * pp
-    if first is not None:
-        split[0] = first
-    if last is not None:
-        split[-1] = last
-    return split
+    megatron splits them (`chunk_layers`; config.py refuses a split megatron refuses)."""
+    if cfg.parallel.pipeline_parallel == 1:
+        return [cfg.model.num_layers]
+    return [sum(stage) for stage in chunk_layers(cfg)]
 
 
 def in_flight(pp: int, stage: int, micro_batches: int, virtual: int | None) -> int:
