@@ -6,7 +6,7 @@ Defaults reproduce the DEL authors' code. Fields left ``None`` resolve per ``kin
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -107,6 +107,15 @@ class NumericLossConfig(BaseModel):
                 "or leave fused_recompute unset"
             )
         return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Megatron-Bridge's HF export walks the model's config (the provider holding this
+        # record) with `remove_non_pickleables`, which sets every attribute of a copy of each
+        # object it meets to its own value: such an assignment changes nothing and passes;
+        # any other is refused (frozen)
+        if name in type(self).model_fields and getattr(self, name) is value:
+            return
+        super().__setattr__(name, value)
 
     @property
     def kind_spec(self) -> Kind:
