@@ -9,7 +9,9 @@ its own interface settings on clusters (GLOO_SOCKET_IFNAME) and every host tenso
 and a synchronisation the step does not need.
 
 Every function takes the group explicitly (None: the default world group) and calls
-`check_device` first; tests wrap that one function to watch every collective.
+`check_device` first; tests wrap that one function to watch every collective. Each call is
+marked for the rank's watchdog (del_megatron/watchdog.py: a collective that does not return
+is said, named by its caller, and a stop signal during it ends the rank).
 
 A one-process group skips the call (nothing to communicate), so a run on one GPU would hand
 NCCL none of our tensors. `DEL_COLLECTIVES_ON_ONE_RANK=1` in the environment issues every
@@ -24,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import watchdog
 
 # the device types each backend takes tensors on (torch's own backends)
 BACKEND_DEVICES = {
@@ -82,7 +86,8 @@ def all_reduce(
     if dist.is_initialized():
         check_device(tensor, group, "all_reduce")
     if not _alone(group):
-        dist.all_reduce(tensor, op=op, group=group)
+        with watchdog.collective("all_reduce", group):
+            dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
@@ -93,7 +98,8 @@ def all_gather(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None) 
     if _alone(group):
         return [tensor]
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor, group=group)
+    with watchdog.collective("all_gather", group):
+        dist.all_gather(parts, tensor, group=group)
     return parts
 
 
@@ -103,7 +109,8 @@ def all_gather_object(obj: Any, *, group: dist.ProcessGroup | None = None) -> li
     if _alone(group):
         return [obj]
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
+    with watchdog.collective("all_gather_object", group):
+        dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 
@@ -117,7 +124,8 @@ def gather_object(obj: Any, *, group: dist.ProcessGroup | None = None) -> list |
     gathered: list[Any] | None = [None] * dist.get_world_size(group) if first else None
     # dst as a global rank: group_dst came with torch 2.6, pyproject admits 2.4
     dst = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.gather_object(obj, gathered, dst=dst, group=group)
+    with watchdog.collective("gather_object", group):
+        dist.gather_object(obj, gathered, dst=dst, group=group)
     return gathered
 
 
@@ -127,10 +135,12 @@ def broadcast_object(obj: Any, *, src: int, group: dist.ProcessGroup | None = No
     if _alone(group):
         return obj
     sent = [obj]
-    dist.broadcast_object_list(sent, src=src, group=group)
+    with watchdog.collective("broadcast_object", group):
+        dist.broadcast_object_list(sent, src=src, group=group)
     return sent[0]
 
 
 def barrier(*, group: dist.ProcessGroup | None = None) -> None:
     if not _alone(group):
-        dist.barrier(group=group)
+        with watchdog.collective("barrier", group):
+            dist.barrier(group=group)

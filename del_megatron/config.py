@@ -57,6 +57,13 @@ class ParallelConfig(_Section):
     others wait in the next collective: at 7B a checkpoint is up to 189 GB
     (docs/checkpoints.md), which one node writes within DeepSpeed's default of 10 minutes
     only above 315 MB/s; within 60 minutes above 53 MB/s."""
+    stall_seconds: float = Field(default=60, gt=0)
+    """How long a collective or a host read of the run may go without returning before the
+    rank says it (which operation, since when, which peers and whether they are alive), again
+    at doubling intervals; 3x the operation's previous time on the rank if that is longer. A
+    SIGTERM, SIGUSR1 or Ctrl-C during such a wait ends the rank at once, the step unsaved
+    (exit 75 where a checkpoint exists to continue from, else 1): a stopped peer would
+    otherwise hold it until collective_timeout_minutes (del_megatron/watchdog.py)."""
     distributed_optimizer: bool | None = None
     """train.engine=megatron: megatron's distributed optimizer (float32 masters and Adam
     moments sharded over data-parallel ranks, gradients reduce-scattered, weights

@@ -203,3 +203,18 @@ def join(backend: str, timeout: timedelta, **init_options) -> None:
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world, timeout=timeout, **init_options
     )
+
+
+def store_client(timeout: timedelta):
+    """A new client of the store `join` used (its keys kept apart per restart under
+    torchrun's agent as there), each of its calls waiting at most `timeout`: for a thread
+    other than the main one (del_megatron/watchdog.py's heartbeat), whose calls must neither
+    share the main thread's connection nor wait the collectives' timeout."""
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, None, False, timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"/worker/attempt_{attempt}", store)
+    return store

@@ -115,6 +115,7 @@ TABLE: dict[str, Rule] = {
     "parallel.zero_stage": _same("another layout, from the layout-free state"),
     "parallel.sequence_parallel": _same("refused by the config itself"),
     "parallel.collective_timeout_minutes": _same("how long a collective may wait, no value"),
+    "parallel.stall_seconds": _same("when a wait is said and a stop ends it, no value"),
     **{
         f"parallel.{name}": _same("how megatron's engine holds and moves the same state")
         for name in (

@@ -6,6 +6,9 @@ agree on it (one all-reduce MAX over the world) and the loop branches on the agr
 alone, so every rank saves the same checkpoint and leaves the loop at the same step. The
 same all-reduce carries whether a rank saw a non-finite loss and whether a rank's
 checkpoint writer is still writing, so a step has one host synchronisation in all (`agree`).
+
+A rank stuck in a collective runs no Python handler: del_megatron/watchdog.py's thread reads
+the signal and ends the rank when the wait has stalled (the step unsaved).
 """
 
 from __future__ import annotations
@@ -19,18 +22,23 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .. import collectives
+from .. import collectives, watchdog
 from ..errors import INTERRUPTED
 from ..parallel import launch_rank
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+AGREEMENT = (
+    "the step's agreement (an all-reduce of the stop, non-finite and writing flags over every "
+    "rank, read on the host)"
+)
 
 
 class StopRequest:
     """Installs handlers for SIGTERM, SIGUSR1 and SIGINT (Ctrl-C: a stop like SIGTERM) until
     `restore()`. A second SIGTERM or SIGUSR1 while the checkpoint is written changes
-    nothing; a second Ctrl-C exits at once, in one line and without a traceback (the
-    checkpoint being written, if any, is left unpublished: the last complete one is kept)."""
+    nothing, unless that save has stalled (del_megatron/watchdog.py then ends the rank); a
+    second Ctrl-C exits at once, in one line and without a traceback (the checkpoint being
+    written, if any, is left unpublished: the last complete one is kept)."""
 
     def __init__(self) -> None:
         self.received: int | None = None  # the first signal this rank got
@@ -97,6 +105,11 @@ def agree(stop: StopRequest | None, nonfinite: torch.Tensor, writing: bool = Fal
             torch.full((), float(writing), device=device),
         ]
     )
-    collectives.all_reduce(flags, op=dist.ReduceOp.MAX)  # the world group
-    stop_flag, nonfinite_flag, writing_flag = flags.tolist()
+    # the rank's watchdog says a wait here (a peer stopped, a device hung) and ends the rank
+    # on a stop signal: the handler above cannot run while this thread is in the C++ wait
+    with watchdog.waiting(AGREEMENT):
+        collectives.all_reduce(flags, op=dist.ReduceOp.MAX)  # the world group
+        stop_flag, nonfinite_flag, writing_flag = flags.tolist()
+    if stop_flag > 0:  # the run saves now: the signals so far do not cut that save short
+        watchdog.stop_agreed()
     return Agreement(stop=stop_flag > 0, nonfinite=nonfinite_flag > 0, writing=writing_flag > 0)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .. import watchdog
 from ..checkpoint.layout import Place
 from ..config import ConfigError, RunConfig
 from ..data import StreamingLoader
@@ -170,7 +171,8 @@ def evaluate(run: Run, max_batches: int) -> dict[str, float] | None:
     )
 
     def score(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return run.engine_kind.score(run, batches)  # {name: [sum, count]}
+        with watchdog.waiting("the held-out evaluation's forward passes (and PP p2p)"):
+            return run.engine_kind.score(run, batches)  # {name: [sum, count]}
 
     run.engine.eval()
     try:  # the last step's weights, gathered where the engine gathers them behind the step
@@ -243,7 +245,9 @@ def train_step(
     # the gradient probe on a log step's first micro-batch only (its cost: two more passes
     # of the loss op on it; no host read, its values read with the step's)
     probe = gradient_probe_due(run.cfg, step)
-    done = run.engine_kind.step(run, micro_batches, probe, stop, writing)
+    # its forward, backward, PP p2p and optimizer collectives, said by the watchdog if stuck
+    with watchdog.waiting(watchdog.STEP_OPERATION, of=f"step {step}"):
+        done = run.engine_kind.step(run, micro_batches, probe, stop, writing)
     _count_nonfinite(run, step, done.skipped)
     seconds = time.perf_counter() - start
     host = {
@@ -326,6 +330,10 @@ def train(
         for line in changes.lines if changes else []:
             progress.say(line)
         run = setup(cfg, changes.schedule if changes else None)
+        held.enter_context(watchdog.watching(
+            rank=run.rank, world=run.world, stall_s=cfg.parallel.stall_seconds,
+            continues_from=lambda: directory.resolve("auto", cfg.output_dir) or path,
+        ))  # fmt: skip
         # one job writes an output_dir: a second is refused on every rank (outputs.py)
         held.enter_context(agreed_output_lock(Path(cfg.output_dir), leader=run.is_main))
         loader = None
@@ -362,7 +370,9 @@ def train(
             nonlocal pending
             if save:
                 publish()
-                pending = checkpointing.save(run, step, loader, keep=cfg.train.keep_checkpoints)
+                with watchdog.waiting("saving the checkpoint (its gathers and host copies)",
+                                      of=f"step {step}"):  # fmt: skip
+                    pending = checkpointing.save(run, step, loader, keep=cfg.train.keep_checkpoints)
                 if not pending.background:  # written already: no step between
                     publish()
 
@@ -373,7 +383,8 @@ def train(
             nonlocal pending
             if pending is not None:
                 started = time.perf_counter()
-                saved = checkpointing.publish(run, pending, run_ends=run_ends)
+                with watchdog.waiting("publishing the checkpoint (every rank's files written)"):
+                    saved = checkpointing.publish(run, pending, run_ends=run_ends)
                 waited = pending.waited_s + time.perf_counter() - started
                 reporter.message(f"checkpoint {saved.name} saved (training waited {waited:.2f} s)")
                 result.checkpoint = str(saved)
