@@ -7,8 +7,10 @@ is not shared between the nodes of many network filesystems (NFS without lockd, 
 mounted without flock), so two nodes of a job could both "hold" it, while link(2) is atomic
 on NFS and Lustre alike. The record names the holder: host, pid, the process's start time
 and the host's boot and pid namespace (so a pid used again, a rebooted node or a container
-are not taken for the holder), its SLURM job and restart count, and its lease. The holder
-renews the lease: a daemon thread touches the lock (its mtime) every tenth of the lease.
+are not taken for the holder), its SLURM job and restart count, its lease, and a token drawn
+at random for this holding (a second holding by the same process, or a lock file under a
+reused inode number, has another). The holder renews the lease: a daemon thread touches the
+lock (its mtime) every tenth of the lease.
 
 The holder is gone, and the lock taken over, when
 * it is a process of this host (same host name, boot and pid namespace) that is not there:
@@ -23,6 +25,12 @@ The holder is gone, and the lock taken over, when
 
 Takeover is a move aside and a check that what was moved is the gone holder's lock (another
 process may have taken it over meanwhile), so two takers never both hold it.
+
+A holder whose lease ran out (a node that stalled, a paused container, a hung network
+filesystem) may wake after its lock was taken over: noticing is not enough, so every writer
+asks `check` before it writes (the lock's record, read now, must carry this holding's
+token) and stops in one line (`LockLost`) when it does not. How the writers of an output
+use it, and what no check on a POSIX filesystem can close: outputs.py, "Fencing".
 """
 
 from __future__ import annotations
@@ -30,12 +38,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from .errors import UserError
 
 LEASE_ENV = "DEL_LOCK_LEASE_S"
 DEFAULT_LEASE_S = 600.0
@@ -87,7 +98,7 @@ def _slurm_restart() -> int:
 
 
 def record() -> dict[str, Any]:
-    """This process as a lock holder."""
+    """This process as a lock holder (a fresh `token` each call: one holding's)."""
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -98,6 +109,7 @@ def record() -> dict[str, Any]:
         "slurm_restart": _slurm_restart(),
         "lease_s": lease_s(),
         "since": int(time.time()),
+        "token": secrets.token_hex(6),
     }
 
 
@@ -180,12 +192,13 @@ def try_take(lock: Path, what: str) -> dict[str, Any] | None:
     over with one line on stderr saying whose it was and why (`what`: the thing locked, as
     the line names it). Held locks are renewed until `release`."""
     mine = lock.with_name(f"{lock.name}.{socket.gethostname()}-{os.getpid()}")
-    mine.write_text(json.dumps(record()))
+    ours = record()
+    mine.write_text(json.dumps(ours))
     try:
         while True:
             try:
                 os.link(mine, lock)
-                _renewer.hold(lock)
+                _renewer.hold(lock, ours["token"])
                 return None
             except FileExistsError:
                 pass
@@ -223,34 +236,93 @@ def _move_aside(lock: Path, holder: dict[str, Any]) -> bool:
 
 
 def release(lock: Path) -> None:
-    """Give `lock` back if this process holds it (never another's)."""
-    _renewer.drop(lock)
+    """Give `lock` back if this process holds it (never another's: not a lock taken over
+    from it, even by a later holding of this same process)."""
+    token = _renewer.token(lock)
+    _renewer.forget(lock)
     holder = read_holder(lock)
-    if holder and _mine(holder):
+    if holder and _mine(holder) and holder.get("token", token) == token:
         with contextlib.suppress(FileNotFoundError):
             lock.unlink()
+
+
+class LockLost(UserError):
+    """This process's lock was taken over (its lease ran out while the process was stopped
+    or cut off): it must write nothing more under what the lock guards. The message is the
+    one line it stops with; exit status 2, as for a mistake (not 75, "run me again"): the
+    output is another job's now, so a requeue would be refused by that live holder, and
+    where this process is an earlier run of the same SLURM job (a node that came back after
+    SLURM requeued the job), a requeue from its batch script would requeue, and so end, the
+    live run."""
+
+
+def token(lock: Path) -> str | None:
+    """This process's token for `lock` while it holds it (None: it never took it)."""
+    return _renewer.token(lock)
+
+
+def check(lock: Path, what: str) -> str | None:
+    """This holding's token, if `lock` on the disk is still this process's; else LockLost,
+    naming who holds it now. `what`: the thing locked, as the line names it. One read of the
+    lock: a writer calls it right before each write it must not make once taken over. None:
+    this process never took `lock` (a library call outside a command), so it has none to
+    lose."""
+    ours = _renewer.token(lock)
+    if ours is None:
+        return None
+    for _ in range(3):  # {}: a read that failed (a network filesystem's hiccup): again
+        holder = read_holder(lock)
+        if holder is not None and holder.get("token") == ours:
+            return ours
+        if holder != {}:
+            break
+        time.sleep(0.1)
+    if holder is None:
+        now = "nobody holds it now"
+    elif not holder:
+        now = "an unknown holder has it now"
+    else:
+        now = f"{describe(holder)} holds it now"
+    raise LockLost(
+        f"{what}: this process's lock {lock} was taken over ({now}; the lease, "
+        f"{lease_s():.0f} s, {LEASE_ENV}, ran out while this process did not run): it "
+        "stops without writing anything more there"
+    )
 
 
 class _Renewer:
     """The daemon thread that renews this process's locks (their mtime) every tenth of the
     lease. Process-wide, like the locks it keeps: one thread for all of them. A lock found
-    taken over (another file under its name) is said once and no longer renewed."""
+    taken over (another file under its name) is no longer renewed; the process's next
+    write says so (`check`), in the one line it stops with."""
 
     def __init__(self) -> None:
         self.held: dict[Path, int] = {}  # lock -> inode of our file
+        self.tokens: dict[Path, str] = {}  # lock -> this holding's token, until `release`
         self.guard = threading.Lock()
         self.thread: threading.Thread | None = None
 
-    def hold(self, lock: Path) -> None:
+    def hold(self, lock: Path, token: str) -> None:
         with self.guard:
             self.held[lock] = lock.stat().st_ino
+            self.tokens[lock] = token
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._run, name="lock-lease", daemon=True)
                 self.thread.start()
 
     def drop(self, lock: Path) -> None:
+        """No more renewing; the token stays, for `check` to compare (until `release`)."""
         with self.guard:
             self.held.pop(lock, None)
+
+    def token(self, lock: Path) -> str | None:
+        with self.guard:
+            return self.tokens.get(lock)
+
+    def forget(self, lock: Path) -> None:
+        with self.guard:
+            self.held.pop(lock, None)
+            self.tokens.pop(lock, None)
 
     def _run(self) -> None:
         while True:
@@ -266,12 +338,7 @@ class _Renewer:
                     pass
                 except OSError:  # a filesystem that refuses now may not later: try again
                     continue
-                self.drop(lock)
-                holder = read_holder(lock) or {}
-                print(
-                    f"{lock}: this process's lock was taken over ({describe(holder)})",
-                    file=sys.stderr,
-                )
+                self.drop(lock)  # taken over: the next `check` says so and stops
 
 
 _renewer = _Renewer()

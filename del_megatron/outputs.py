@@ -15,7 +15,9 @@ One writer at a time: `begin_output` takes the output's lock (`output_lock`, a f
 the output naming its holder, del_megatron/locks.py) and `commit_output` / `abandon_output`
 give it back, so a second command into the same output is refused in one line (or waits,
 `wait=True`) instead of sharing the first one's staging directory. Staging is named after
-its writer.
+its writer. A writer whose lock was taken over meanwhile (its lease ran out while it was
+stopped) writes nothing more: every write under an output asks `fence` first ("Fencing",
+below).
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def commit_output(staging: Path, final: Path, is_ours: Ours) -> Path | None:
     files never move. Into a new directory: one rename (atomic). Into an existing one: each
     new file is renamed in whole, a manifest last, so a reader of it sees a complete
     output."""
+    fence(final)
     if not final.exists():
         os.replace(staging, final)
         release_output_lock(final)
@@ -124,10 +127,12 @@ def commit_output(staging: Path, final: Path, is_ours: Ours) -> Path | None:
     clash = sorted(p.name for p in _foreign(final, is_ours) if (staging / p.name).exists())
     if clash:
         raise UserError(f"{final}: your file {clash[0]} has the name of an output file; rename it")
+    fence(final)
     aside = set_aside(final, is_ours)
     # the list of the files last (a manifest, files.json): a reader who finds it finds them
     new = sorted(staging.iterdir(), key=lambda p: p.name in ("manifest.json", "files.json"))
     for path in new:
+        fence(final)  # each rename: a stall between two of them may have cost the lock
         os.replace(path, final / path.name)
     staging.rmdir()
     release_output_lock(final)
@@ -198,6 +203,68 @@ def acquire_output_lock(final: Path, *, wait: bool = False, poll_s: float = 0.5)
 def release_output_lock(final: Path) -> None:
     """Give `final`'s lock back if this process holds it (never another's)."""
     locks.release(lock_of(final))
+
+
+# ---- fencing ----------------------------------------------------------------------------
+#
+# A holder whose lease ran out while it did not run (a stalled node, a paused container, a
+# hung network filesystem) wakes up after another job took its lock over. Noticing is not
+# enough: every write under an output asks `fence` right before it is made (one read of the
+# lock: its record must carry this holding's token, locks.check), and a holder that lost
+# its lock stops in one line (locks.LockLost, exit status 2), writing nothing more. In
+# del-train every rank's writes go through it: rank 0 holds the lock and asks, and the
+# ranks agree on its answer (`agreed_fence`) before a metrics line, at the start of a save
+# and before its publication (checkpoint/save.py, publish.py). The steps:
+#
+# * staging names carry the holder's token (`.tmp-step-N-<token>`, `.NAME.partial-HOST-PID`):
+#   a writer never writes into, publishes or removes another's staging;
+# * a new holder's first write moves every other holder's staging out of the namespace (a
+#   rename, then the delete: checkpoint/directory.remove_partial), and so does its choice of
+#   checkpoint to resume from: checkpoints newer than it are an old holder's late
+#   publication, removed. A staging made before the takeover is moved away, and the old
+#   holder's writes into it then fail (its path no longer resolves); one made after the
+#   takeover is caught by the check the old holder makes right after making it;
+# * publication is check, rename, check again: the rename of a staging the new holder moved
+#   away fails; the second check stops an old holder whose rename came through before the
+#   move (a complete checkpoint, which the new holder removes as above).
+#
+# What no check on a POSIX filesystem closes: rename(2) cannot be made conditional on
+# another file's content, so a stall longer than the lease between a check and the write it
+# guards lets that one write through: a metrics line (a step twice in metrics.jsonl), or,
+# at a publication, the move aside of a checkpoint of the same step or of old checkpoints
+# being pruned (the new holder's, then). The window is the few instructions between the
+# check and the call, not the save. On NFS, a client may also go on resolving a moved-away
+# staging path from its cache for up to its attribute-cache time (acdirmax, 60 s by
+# default). Closing these needs a store that compares the token at the write itself (an
+# object store's conditional put, a lock service), which a filesystem is not.
+
+
+def fence(final: Path) -> str | None:
+    """This holding's token if this process still holds `final`'s lock (None if it never
+    took it); else LockLost, the one line a writer that lost it stops with. Ask right
+    before each write."""
+    return locks.check(lock_of(final), str(final))
+
+
+def agreed_fence(final: Path, *, leader: bool) -> str | None:
+    """`fence` for a job of several processes: the `leader` (the lock's holder) asks, every
+    process gets its answer (the leader's token, or its LockLost line, raised on every
+    process, so that no rank waits in a collective for one that stopped). Collective."""
+    from . import collectives
+
+    answer: tuple[str, str | None] | None = None
+    if leader:
+        try:
+            answer = ("held", fence(final))
+        except locks.LockLost as err:
+            answer = ("lost", str(err))
+    answers = [a for a in collectives.all_gather_object(answer) if a is not None]
+    if not answers:  # no leader among the processes (a library call outside a job)
+        return None
+    kind, text = answers[0]
+    if kind == "lost":
+        raise locks.LockLost(text)
+    return text
 
 
 @contextlib.contextmanager

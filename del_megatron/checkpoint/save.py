@@ -4,10 +4,11 @@ data state, the record; the tensors' copies queued into page-locked memory, host
 waited for once); the files are written behind training by checkpoint/writer.py and made a
 checkpoint by publish.py.
 
-Everything of a checkpoint is written under `checkpoints/.tmp-step-NNNNNNN/` and the
-directory is renamed to `step-NNNNNNN/` by rank 0 once every rank has written and flushed
-its files (`publish.publish`): a directory with a final name is always complete, and a
-killed save leaves only a `.tmp-` directory that resume ignores (and removes).
+Everything of a checkpoint is written under `checkpoints/.tmp-step-NNNNNNN-TOKEN/` (the
+job's own name: checkpoint/directory.py) and the directory is renamed to `step-NNNNNNN/` by
+rank 0 once every rank has written and flushed its files (`publish.publish`): a directory
+with a final name is always complete, and a killed save leaves only a `.tmp-` directory
+that resume ignores (and removes).
 """
 
 from __future__ import annotations
@@ -24,9 +25,17 @@ import torch
 
 from .. import collectives, runtime
 from ..data.state import rank_record, saved_file
-from ..outputs import free_bytes, is_no_space, no_space
+from ..outputs import agreed_fence, free_bytes, is_no_space, no_space
 from . import optim_state, writer
-from .directory import DATA_STATE, PREFIX, TMP_PREFIX, CheckpointError, complete_checkpoints
+from .directory import (
+    DATA_STATE,
+    PREFIX,
+    TMP_PREFIX,
+    CheckpointError,
+    complete_checkpoints,
+    staging_of,
+    still_held,
+)
 from .native import TAG as NATIVE
 from .optim_format import OPTIM
 from .parts import Parts, Record
@@ -38,7 +47,7 @@ class PendingSave:
     """A checkpoint whose files are being written (checkpoint/writer.py): `publish`
     makes it a checkpoint once every rank's writer has finished."""
 
-    tmp: Path  # .tmp-step-NNNNNNN: what resume ignores
+    tmp: Path  # .tmp-step-NNNNNNN-TOKEN: what resume ignores
     final: Path
     keep: int
     needed: int  # bytes, for the line of a disk that fills during the write
@@ -70,8 +79,9 @@ def save(
     fills during the write anyway is one line too, at `publish`."""
     started = time.perf_counter()
     needed = check_space(parts, root, layout_free)
-    name = f"{PREFIX}{step:07d}"
-    tmp, final = root / (TMP_PREFIX + name), root / name
+    # the job's own staging name, from its lock (asked: a job that lost it stops here)
+    token = agreed_fence(root.parent, leader=parts.place.is_main)
+    tmp, final = staging_of(root, step, token), root / f"{PREFIX}{step:07d}"
     try:
         directories, jobs, background = _jobs(
             parts, tmp, step, loader, record, counters, layout_free, background
@@ -149,8 +159,9 @@ def _jobs(
     they write; the jobs; whether they are written behind training)."""
     if parts.place.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    collectives.barrier()
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()  # never `parents`: a staging moved away by a new holder stays away
+    still_held(tmp, leader=parts.place.is_main)  # made, then asked again; also the barrier
     (tmp / "rng").mkdir(exist_ok=True)
     # one copy of the optimizer state: the layout-free one (read at every layout), or the
     # engine's own (read at the saved layout only), which the engine writes now: such a save

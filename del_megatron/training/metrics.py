@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..config import ConfigError
-from ..outputs import write_error, write_text_atomic
+from ..outputs import agreed_fence, write_error, write_text_atomic
 
 
 class PairSum:
@@ -191,7 +191,9 @@ class Reporter:
 
     metrics.jsonl describes the run whose checkpoints are in the output directory: on a
     start at step `start`, lines of later steps (trained, then lost with the process) are
-    dropped, so a resumed run's file holds every step once.
+    dropped, so a resumed run's file holds every step once. A job whose output lock was
+    taken over writes no line more (outputs.agreed_fence before each write: one small
+    gather on a logging step, whose values are read on the host then anyway).
     """
 
     def __init__(self, cfg: Any, *, start: int, enabled: bool) -> None:
@@ -210,6 +212,9 @@ class Reporter:
             cfg.output_dir,
             cfg.model_dump(mode="json"),
         )
+        # the job's first write here: asked on every rank (a job that lost the output's
+        # lock stops, agreed, outputs.py "Fencing"), rank 0 writes
+        agreed_fence(self.path.parent, leader=enabled)
         if enabled:
             keep_steps_up_to(self.path, start)
         self.bar = tqdm(
@@ -244,6 +249,9 @@ class Reporter:
         ]
         last_step, last = flushed[-1]
         self.bar.set_postfix(loss=f"{last['loss']:.3f}", digit_acc=f"{last['digit_acc']:.3f}")
+        # no line of a job that lost the output's lock (its new holder writes these steps):
+        # rank 0 asks right before the write, every rank stops on its answer
+        agreed_fence(self.path.parent, leader=self.enabled)
         if self.enabled:
             # exact floats; the steps in one write, so a reader following the file (tail -f, a
             # dashboard) finds whole lines, not one cut where the 8 KiB buffer ran full

@@ -348,7 +348,7 @@ def train(
         result = TrainResult()
         start = 0
         if run.is_main:
-            directory.remove_partial(cfg.output_dir)
+            directory.remove_partial(cfg.output_dir, resume, path)  # and a fenced job's late ones
         if path is not None:
             progress.say(f"loading {path}")
             start = checkpointing.load(run, path, loader)

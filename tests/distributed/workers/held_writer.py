@@ -22,7 +22,8 @@ real_run = writer._run
 
 def held_run(jobs, writing, directories) -> None:
     held_dir = directory.TMP_PREFIX + f"{directory.PREFIX}{int(STEP):07d}"
-    if os.environ["RANK"] == RANK and directories[0].name == held_dir:
+    # the staging is the job's own, `.tmp-step-N-TOKEN` (checkpoint/directory.staging_of)
+    if os.environ["RANK"] == RANK and directories[0].name.startswith(held_dir + "-"):
         Path(MARKER).touch()
         time.sleep(3600)
     real_run(jobs, writing, directories)

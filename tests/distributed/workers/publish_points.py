@@ -11,6 +11,7 @@ argv: tokenizer manifest out
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -21,7 +22,10 @@ from del_megatron.training import trainer
 
 
 def entries(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    """The names in `directory`, a staging's without its job's token (`.tmp-step-N`)."""
+    if not directory.is_dir():
+        return []
+    return sorted(re.sub(r"^(\.tmp-step-\d{7})-\w+$", r"\1", p.name) for p in directory.iterdir())
 
 
 def main() -> None:
