@@ -277,13 +277,19 @@ def check(lock: Path, what: str) -> str | None:
         if holder != {}:
             break
         time.sleep(0.1)
+    raise LockLost(taken_over_line(lock, what, holder))
+
+
+def taken_over_line(lock: Path, what: str, holder: dict | None) -> str:
+    """The line a process of a job whose `lock` was taken over stops with, naming its
+    `holder` now (`read_holder`'s record; {} unreadable, None none)."""
     if holder is None:
         now = "nobody holds it now"
     elif not holder:
         now = "an unknown holder has it now"
     else:
         now = f"{describe(holder)} holds it now"
-    raise LockLost(
+    return (
         f"{what}: this process's lock {lock} was taken over ({now}; the lease, "
         f"{lease_s():.0f} s, {LEASE_ENV}, ran out while this process did not run): it "
         "stops without writing anything more there"

@@ -246,6 +246,29 @@ def fence(final: Path) -> str | None:
     return locks.check(lock_of(final), str(final))
 
 
+def lock_lost(final: Path) -> bool:
+    """Whether this process held `final`'s lock and lost it (`fence`, as a flag): what rank 0
+    adds to a training step's agreement (`signals.agree`), so every rank stops on it within
+    the step's one host read, with no collective of its own."""
+    try:
+        fence(final)
+    except locks.LockLost:
+        return True
+    return False
+
+
+def lost_lock_line(final: Path, *, leader: bool) -> str:
+    """The line every rank stops with once the step's agreement says the lock was lost
+    (`fence`'s on the leader, which held it; the same, from the lock's record, elsewhere)."""
+    if leader:
+        try:
+            fence(final)
+        except locks.LockLost as err:
+            return str(err)
+    lock = lock_of(final)
+    return locks.taken_over_line(lock, str(final), locks.read_holder(lock))
+
+
 def agreed_fence(final: Path, *, leader: bool) -> str | None:
     """`fence` for a job of several processes: the `leader` (the lock's holder) asks, every
     process gets its answer (the leader's token, or its LockLost line, raised on every

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..config import ConfigError
-from ..outputs import agreed_fence, write_error, write_text_atomic
+from ..outputs import agreed_fence, lock_lost, write_error, write_text_atomic
 
 
 class PairSum:
@@ -192,8 +192,8 @@ class Reporter:
     metrics.jsonl describes the run whose checkpoints are in the output directory: on a
     start at step `start`, lines of later steps (trained, then lost with the process) are
     dropped, so a resumed run's file holds every step once. A job whose output lock was
-    taken over writes no line more (outputs.agreed_fence before each write: one small
-    gather on a logging step, whose values are read on the host then anyway).
+    taken over writes no line more: each step's agreement carries rank 0's reading of the
+    lock, and rank 0 reads it again right before each write (outputs.py, "Fencing").
     """
 
     def __init__(self, cfg: Any, *, start: int, enabled: bool) -> None:
@@ -250,9 +250,12 @@ class Reporter:
         last_step, last = flushed[-1]
         self.bar.set_postfix(loss=f"{last['loss']:.3f}", digit_acc=f"{last['digit_acc']:.3f}")
         # no line of a job that lost the output's lock (its new holder writes these steps):
-        # rank 0 asks right before the write, every rank stops on its answer
-        agreed_fence(self.path.parent, leader=self.enabled)
-        if self.enabled:
+        # every step's agreement carries rank 0's reading of the lock (trainer.train_step);
+        # rank 0 reads it once more right before the write, alone (a collective here would be
+        # a host read more a logging step). Lost in between, it writes nothing and goes on to
+        # what follows every flush, the next step's agreement or a save's agreed fence, where
+        # every rank stops together (stopping alone would leave the others in a collective)
+        if self.enabled and not lock_lost(self.path.parent):
             # exact floats; the steps in one write, so a reader following the file (tail -f, a
             # dashboard) finds whole lines, not one cut where the 8 KiB buffer ran full
             lines = "".join(json.dumps({"step": step, **values}) + "\n" for step, values in flushed)

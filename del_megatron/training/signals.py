@@ -86,16 +86,21 @@ class Agreement(NamedTuple):
     stop: bool  # some rank received a stop signal
     nonfinite: bool  # some rank's loss was not finite
     writing: bool  # some rank's checkpoint writer has not finished
+    lost: bool = False  # the output's lock was taken over (rank 0 read its record)
 
 
-def agree(stop: StopRequest | None, nonfinite: torch.Tensor, writing: bool = False) -> Agreement:
+def agree(
+    stop: StopRequest | None, nonfinite: torch.Tensor, writing: bool = False, lost: bool = False
+) -> Agreement:
     """One all-reduce MAX over the world of [stop signal received, loss not finite, still
-    writing a checkpoint] and the step's one host synchronisation (collective: every rank
-    calls it at the same point).
+    writing a checkpoint, output lock lost] and the step's one host synchronisation
+    (collective: every rank calls it at the same point).
 
     nonfinite: this rank's 0-dim flag, on the compute device (no host copy before the
     reduction: the host flags are filled on the device too). writing: whether this rank's
-    checkpoint writer is still at work (checkpoint/writer.py)."""
+    checkpoint writer is still at work (checkpoint/writer.py). lost: whether this rank found
+    the output's lock taken over (rank 0 reads the lock's record before the step:
+    outputs.lock_lost), so every rank stops on it together, with no collective of its own."""
     received = stop is not None and stop.received is not None
     device = nonfinite.device
     flags = torch.stack(
@@ -103,13 +108,19 @@ def agree(stop: StopRequest | None, nonfinite: torch.Tensor, writing: bool = Fal
             torch.full((), float(received), device=device),
             nonfinite.double(),
             torch.full((), float(writing), device=device),
+            torch.full((), float(lost), device=device),
         ]
     )
     # the rank's watchdog says a wait here (a peer stopped, a device hung) and ends the rank
     # on a stop signal: the handler above cannot run while this thread is in the C++ wait
     with watchdog.waiting(AGREEMENT):
         collectives.all_reduce(flags, op=dist.ReduceOp.MAX)  # the world group
-        stop_flag, nonfinite_flag, writing_flag = flags.tolist()
+        stop_flag, nonfinite_flag, writing_flag, lost_flag = flags.tolist()
     if stop_flag > 0:  # the run saves now: the signals so far do not cut that save short
         watchdog.stop_agreed()
-    return Agreement(stop=stop_flag > 0, nonfinite=nonfinite_flag > 0, writing=writing_flag > 0)
+    return Agreement(
+        stop=stop_flag > 0,
+        nonfinite=nonfinite_flag > 0,
+        writing=writing_flag > 0,
+        lost=lost_flag > 0,
+    )

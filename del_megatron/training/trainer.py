@@ -23,7 +23,8 @@ from ..checkpoint.layout import Place
 from ..config import ConfigError, RunConfig
 from ..data import StreamingLoader
 from ..errors import UserError
-from ..outputs import agreed_output_lock, close_on_the_way_out
+from ..locks import LockLost
+from ..outputs import agreed_output_lock, close_on_the_way_out, lock_lost, lost_lock_line
 from ..runtime import deterministic_algorithms, peak_flops, resolve_device, select_accelerator
 from . import progress
 from .engines import EngineKind, kind_of
@@ -221,6 +222,7 @@ class StepOutcome:
     stop: bool  # agreed by every rank: a stop signal reached some rank
     writing: bool  # agreed: some rank's checkpoint writer has not finished
     seconds: float  # the step's time, to the agreement (which waits for the device)
+    lost: bool = False  # agreed: the output's lock was taken over (rank 0 found it)
 
 
 def train_step(
@@ -229,10 +231,12 @@ def train_step(
     step: int,
     stop: StopRequest | None = None,
     writing: bool = False,
+    lost: bool = False,
 ) -> StepOutcome:
     """One optimizer step (`step` 1-based) over this rank's micro-batches (host tensors,
     as the loader gives them). `writing`: whether this rank's checkpoint writer is still at
-    work, agreed with the stop signal (the outcome's `writing`).
+    work, agreed with the stop signal (the outcome's `writing`); `lost`: whether this rank
+    found the output's lock taken over (agreed: the outcome's `lost`).
 
     The engine takes the step (`EngineKind.step`): every engine's gradient is that of
     sum(loss) / tokens over the global batch, whatever the parallel layout (DeepSpeed's:
@@ -247,7 +251,7 @@ def train_step(
     probe = gradient_probe_due(run.cfg, step)
     # its forward, backward, PP p2p and optimizer collectives, said by the watchdog if stuck
     with watchdog.waiting(watchdog.STEP_OPERATION, of=f"step {step}"):
-        done = run.engine_kind.step(run, micro_batches, probe, stop, writing)
+        done = run.engine_kind.step(run, micro_batches, probe, stop, writing, lost)
     _count_nonfinite(run, step, done.skipped)
     seconds = time.perf_counter() - start
     host = {
@@ -257,7 +261,13 @@ def train_step(
     }
     metrics = StepMetrics(done.names, done.pairs, done.grad_norm, host)
     agreed = done.agreed
-    return StepOutcome(metrics=metrics, stop=agreed.stop, writing=agreed.writing, seconds=seconds)
+    return StepOutcome(
+        metrics=metrics,
+        stop=agreed.stop,
+        writing=agreed.writing,
+        seconds=seconds,
+        lost=agreed.lost,
+    )
 
 
 def _count_nonfinite(run: Run, step: int, skipped: bool) -> None:
@@ -401,7 +411,13 @@ def train(
             for step in range(start + 1, last + 1):
                 batches_of_step = next_micro_batches(run, source, step - 1)
                 writing = pending is not None and not pending.writing.written()
-                outcome = train_step(run, batches_of_step, step, stop, writing)
+                # the lock's record read by rank 0 before each step, its answer agreed in the
+                # step's one host read: a job whose lock was taken over stops on every rank
+                # before it writes a metrics line or a checkpoint more (outputs.py, "Fencing")
+                lost = run.is_main and lock_lost(Path(cfg.output_dir))
+                outcome = train_step(run, batches_of_step, step, stop, writing, lost)
+                if outcome.lost:
+                    raise LockLost(lost_lock_line(Path(cfg.output_dir), leader=run.is_main))
                 if pending is not None and not outcome.writing:  # every rank's files written
                     publish()
                 extra = {}

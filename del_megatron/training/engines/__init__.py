@@ -127,9 +127,11 @@ class EngineKind(Protocol):
         probe: bool,
         stop: StopRequest | None,
         writing: bool,
+        lost: bool = False,
     ) -> EngineStep:
         """One optimizer step over this rank's micro-batches (host tensors; None on a stage
-        that reads no data); the step's agreement (`signals.agree`) inside."""
+        that reads no data); the step's agreement (`signals.agree`, with `writing` and
+        `lost`) inside."""
         ...
 
     def score(self, run, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

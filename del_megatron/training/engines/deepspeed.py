@@ -243,6 +243,7 @@ def step(
     probe: bool,
     stop: StopRequest | None,
     writing: bool,
+    lost: bool = False,
 ) -> EngineStep:
     """The step on the DeepSpeed engine: each micro-batch's forward, backward and step.
 
@@ -266,7 +267,7 @@ def step(
         totals.add(report)
     local_loss = totals.totals["lm loss"][0]  # this rank's loss sum
     names, pairs = totals.reduced(run.dp_group)
-    agreed = agree(stop, ~torch.isfinite(local_loss), writing)
+    agreed = agree(stop, ~torch.isfinite(local_loss), writing, lost)
     # The ZeRO optimizer skips a step whose gradient norm is not finite (NaN/inf loss
     # included): no update and no schedule step. Both signs are agreed by every rank (the
     # overflow check inside DeepSpeed, the loss flag in `agree`).
@@ -298,8 +299,8 @@ class _DeepSpeed:
     def build(self, cfg, device: torch.device, tokenizer, schedule, world: int) -> Built:
         return build(cfg, device, tokenizer, schedule, world)
 
-    def step(self, run, micro_batches, probe, stop, writing) -> EngineStep:
-        return step(run, micro_batches, probe, stop, writing)
+    def step(self, run, micro_batches, probe, stop, writing, lost=False) -> EngineStep:
+        return step(run, micro_batches, probe, stop, writing, lost)
 
     def score(self, run, batches):
         totals = PairSum()

@@ -353,7 +353,12 @@ def stage_reports(
 
 
 def train_step(
-    run, micro_batches: list[dict], probe: bool, stop: StopRequest | None, writing: bool
+    run,
+    micro_batches: list[dict],
+    probe: bool,
+    stop: StopRequest | None,
+    writing: bool,
+    lost: bool = False,
 ) -> EngineStep:
     """One optimizer step over this rank's micro-batches (host tensors)."""
     from megatron.core import parallel_state
@@ -373,7 +378,7 @@ def train_step(
     found_inf = engine.optimizer.prepare_grads()  # a host flag only with a loss scaler
     norm = gradient_norm(engine.optimizer, run.device)
     nonfinite = ~torch.isfinite(local_loss) | ~torch.isfinite(norm)
-    agreed = agree(stop, nonfinite, writing)
+    agreed = agree(stop, nonfinite, writing, lost)
     if agreed.nonfinite or found_inf:
         return EngineStep(names, dp_pairs, norm, agreed, skipped=True)
     if run.cfg.optim.clip_grad > 0:
@@ -749,8 +754,8 @@ class _Megatron:
         progress.model_built(count, self.owner)
         return Built(engine, scheduler, count)
 
-    def step(self, run, micro_batches, probe, stop, writing) -> EngineStep:
-        return train_step(run, micro_batches, probe, stop, writing)
+    def step(self, run, micro_batches, probe, stop, writing, lost=False) -> EngineStep:
+        return train_step(run, micro_batches, probe, stop, writing, lost)
 
     def score(self, run, batch):
         return score(run, batch)
