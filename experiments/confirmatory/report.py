@@ -28,11 +28,9 @@ spread (PLANNED, computed by `prior`), after it from this run's own.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +38,7 @@ from pathlib import Path
 from del_megatron.errors import UserError
 from del_megatron.outputs import write_text_atomic
 
-from ..continuations.report import level_table, raw_rows
+from ..continuations.report import level_table, record_run, report_main
 from ..effects import (
     MIN_PAIRS,
     detectable_difference,
@@ -51,7 +49,6 @@ from ..effects import (
     sign_flip_p,
     t_interval,
 )
-from ..numeric_tasks.report import read_raw
 
 MARGIN = 0.025  # the equivalence margin, in the endpoint's units (a share of digits/answers)
 FAMILY_WIDE = 0.05  # over the two endpoints of one family (Holm; Bonferroni for TOST)
@@ -420,30 +417,11 @@ def write_report(
 ) -> Path:
     """raw_runs.jsonl and protocol.json (with the run's date, machine and commit), then the
     page from them."""
-    from ..machine import provenance
-
-    rows = raw_rows(list(runs))
-    recorded = {"protocol": protocol, "command": command, "minutes": minutes, **provenance()}
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "raw_runs.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    write_text_atomic(out / "protocol.json", json.dumps(recorded, indent=1) + "\n")
-    return write_outputs(rows, out, recorded)
+    return record_run(runs, out, protocol, command, minutes, write_outputs)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("raw", type=Path, help="raw_runs.jsonl (protocol.json beside it)")
-    p.add_argument("--out", type=Path, required=True)
-    a = p.parse_args(argv)
-    try:
-        if not a.raw.is_file():
-            raise UserError(f"{a.raw}: does not exist (the raw rows, raw_runs.jsonl)")
-        recorded = json.loads((a.raw.parent / "protocol.json").read_text())
-        write_outputs(read_raw(a.raw), a.out, recorded)
-    except (UserError, OSError, json.JSONDecodeError, KeyError) as err:
-        print(f"confirmatory report: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return report_main(argv, __doc__.splitlines()[0], "confirmatory report", write_outputs)
 
 
 if __name__ == "__main__":

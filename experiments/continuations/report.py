@@ -22,7 +22,7 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -584,6 +584,19 @@ def write_outputs(rows: list[dict], out: Path, recorded: dict) -> Path:
 def write_report(
     runs: Iterable[dict], out: Path, *, protocol: dict, command: str, minutes: float
 ) -> Path:
+    return record_run(runs, out, protocol, command, minutes, write_outputs)
+
+
+def record_run(
+    runs: Iterable[dict],
+    out: Path,
+    protocol: dict,
+    command: str,
+    minutes: float,
+    write_pages: Callable[[list[dict], Path, dict], Path],
+) -> Path:
+    """raw_runs.jsonl and protocol.json (with the run's date, machine and commit), then the
+    page from them (`write_pages`, the experiment's): each experiment of this design."""
     from ..machine import provenance
 
     rows = raw_rows(list(runs))
@@ -591,11 +604,22 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "raw_runs.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     write_text_atomic(out / "protocol.json", json.dumps(recorded, indent=1) + "\n")
-    return write_outputs(rows, out, recorded)
+    return write_pages(rows, out, recorded)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    return report_main(argv, __doc__.splitlines()[0], "continuation report", write_outputs)
+
+
+def report_main(
+    argv: list[str] | None,
+    description: str,
+    name: str,
+    write_pages: Callable[[list[dict], Path, dict], Path],
+) -> int:
+    """The command that regenerates an experiment's page from its raw rows (protocol.json
+    beside them): exit 2 with one line on a missing or unreadable input."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("raw", type=Path, help="raw_runs.jsonl (protocol.json beside it)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
@@ -603,9 +627,9 @@ def main(argv: list[str] | None = None) -> int:
         if not a.raw.is_file():
             raise UserError(f"{a.raw}: does not exist (the raw rows, raw_runs.jsonl)")
         recorded = json.loads((a.raw.parent / "protocol.json").read_text())
-        write_outputs(read_raw(a.raw), a.out, recorded)
+        write_pages(read_raw(a.raw), a.out, recorded)
     except (UserError, OSError, json.JSONDecodeError, KeyError) as err:
-        print(f"continuation report: error: {err}", file=sys.stderr)
+        print(f"{name}: error: {err}", file=sys.stderr)
         return 2
     return 0
 

@@ -19,6 +19,7 @@ from experiments.confirmatory import prior
 from experiments.confirmatory import report as cr
 from experiments.confirmatory import run as ex
 from experiments.continuations import run as cont
+from experiments.continuations.report import raw_rows
 from experiments.effects import (
     detectable_difference,
     equivalence_p,
@@ -83,7 +84,7 @@ def runs(effect: float, sd: float = 0.004, bases: int = 12) -> list[dict]:
 
 
 def decisions(effect: float, **kwargs) -> tuple[list[str], str]:
-    found = cr.family(cr.raw_rows(runs(effect, **kwargs)), cr.PRIMARY_ARM)
+    found = cr.family(raw_rows(runs(effect, **kwargs)), cr.PRIMARY_ARM)
     return [v for *_, v in found], cr.answer(found)
 
 
@@ -115,7 +116,7 @@ def test_the_decisions_flip_with_rows_built_equivalent_superior_inferior_or_uncl
 
 
 def test_the_endpoint_pools_the_room_tasks_per_base_and_leaves_out_the_rest():
-    rows = cr.raw_rows(runs(0.03, sd=0.0))
+    rows = raw_rows(runs(0.03, sd=0.0))
     last = cr.continued(rows)
     diffs = cr.differences(last, cr.PRIMARY_ARM, "digit_acc")
     assert sorted(diffs) == list(range(101, 113))
